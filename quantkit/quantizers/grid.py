@@ -1,0 +1,79 @@
+"""Integer grids: scale/zero selection and rounding, shared by every weight quantizer.
+
+One place decides the conventions (GPTQ's): symmetric uses scale = 2*absmax/(2**b - 1) with the
+zero fixed at 2**(b-1); asymmetric uses scale = (max - min)/(2**b - 1) over a range widened to
+include 0, zero = round(-min/scale). Scales are rounded to the storage dtype (fp16) *before*
+the codes are computed, so a packed checkpoint dequantizes to exactly what the quantizer saw.
+"""
+from __future__ import annotations
+
+import torch
+
+from quantkit.qtensor import QuantizedWeight
+
+SCALE_DTYPE = torch.float16
+
+
+def max_code(bits: int) -> int:
+    return (1 << bits) - 1
+
+
+def compute_qparams(w: torch.Tensor, bits: int, sym: bool, clip_ratio: float | torch.Tensor = 1.0):
+    """Scale and zero per row of `w` ([rows, cols]); returns float32 scale [rows], float32 zero [rows]."""
+    maxq = max_code(bits)
+    w = w.float()
+    xmin = torch.clamp(w.amin(dim=1), max=0.0) * clip_ratio
+    xmax = torch.clamp(w.amax(dim=1), min=0.0) * clip_ratio
+    if sym:
+        amax = torch.maximum(xmin.abs(), xmax)
+        scale = 2.0 * amax / maxq
+        zero = torch.full_like(scale, float((maxq + 1) // 2))
+    else:
+        scale = (xmax - xmin) / maxq
+        zero = None
+    tiny = torch.finfo(SCALE_DTYPE).tiny
+    scale = torch.where(scale > tiny, scale, torch.ones_like(scale))
+    scale = scale.to(SCALE_DTYPE).float()
+    if zero is None:
+        zero = torch.clamp(torch.round(-xmin / scale), 0, maxq)
+    return scale, zero
+
+
+def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes (as float) for `w` [rows, cols] with per-row scale/zero [rows] or [rows, 1]."""
+    if scale.dim() == 1:
+        scale, zero = scale.unsqueeze(1), zero.unsqueeze(1)
+    return torch.clamp(torch.round(w.float() / scale) + zero, 0, max_code(bits))
+
+
+def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    if scale.dim() == 1:
+        scale, zero = scale.unsqueeze(1), zero.unsqueeze(1)
+    return (quantize_codes(w, scale, zero, bits) - zero) * scale
+
+
+def group_count(in_features: int, group_size: int) -> int:
+    return 1 if group_size == -1 else in_features // group_size
+
+
+def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool,
+                 bias: torch.Tensor | None = None) -> QuantizedWeight:
+    """Round-to-nearest with per-group min/max ranges; vectorised over all groups at once."""
+    n, k = weight.shape
+    gs = k if group_size == -1 else group_size
+    if k % gs:
+        raise ValueError(f"group size {gs} does not divide in_features {k}")
+    groups = k // gs
+    w = weight.float().reshape(n * groups, gs)
+    scale, zero = compute_qparams(w, bits, sym)
+    q = quantize_codes(w, scale, zero, bits).reshape(n, k)
+    return QuantizedWeight(
+        qweight=q.to(torch.uint8),
+        scales=scale.reshape(n, groups),
+        zeros=zero.reshape(n, groups).to(torch.int32),
+        g_idx=(torch.arange(k, dtype=torch.int32) // gs),
+        bits=bits,
+        group_size=group_size,
+        sym=sym,
+        bias=None if bias is None else bias.detach().clone(),
+    )
