@@ -1,0 +1,190 @@
+"""The Python surface: `quantize`, `load`, `evaluate`. The CLI is a thin shell over these."""
+from __future__ import annotations
+
+import resource
+import time
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.quantizers.base import Quantizer, get_quantizer
+from quantkit.scheme import QuantScheme, load_recipe, parse_group_size, scheme_from_dict
+
+DEFAULTS = {"bits": 4, "group_size": "auto", "num_samples": 128, "seq_len": 512, "seed": 0, "dataset": "lee"}
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    return {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def _merge(recipe: dict, key: str, section: Optional[str], explicit):
+    """CLI/API values win over the recipe, the recipe over the defaults."""
+    if explicit is not None:
+        return explicit
+    source = recipe.get(section, {}) if section else recipe
+    if source and key in source and source[key] is not None:
+        return source[key]
+    return DEFAULTS.get(key)
+
+
+def quantize(
+    model: str = "demo",
+    method: Union[str, Quantizer, None] = None,
+    *,
+    bits: Optional[int] = None,
+    group_size: Union[int, str, None] = None,
+    sym: Optional[bool] = None,
+    format: Optional[str] = None,
+    dataset: Any = None,
+    num_samples: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    seed: Optional[int] = None,
+    output: Union[str, Path, None] = None,
+    recipe: Union[str, Path, None] = None,
+    ignore: Optional[list[str]] = None,
+    options: Optional[dict[str, Any]] = None,
+    overwrite: bool = False,
+    dtype: Optional[str] = None,
+    device: Optional[str] = None,
+    trust_remote_code: bool = False,
+    max_shard_size: str = "5GB",
+    chat_template: bool = False,
+    batch_size: int = 8,
+    eval_after: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Quantize `model` with `method` and write a packed checkpoint; returns a summary dict."""
+    from quantkit import data
+    from quantkit.calibrate import quantize_model
+    from quantkit.checkpoint import check_output_dir, write_checkpoint
+    from quantkit.formats import get_format
+    from quantkit.models import get_adapter
+    from quantkit.sources import load_source_model, parse_dtype, source_dtype
+
+    t0 = time.perf_counter()
+    rec = load_recipe(recipe) if recipe else {}
+    quantizer = _make_quantizer(method if method is not None else rec.get("method", "rtn"), {**(rec.get("options") or {}), **(options or {})})
+    scheme_dict = dict(rec.get("scheme") or {})
+    for key, value in (("bits", bits), ("group_size", parse_group_size(group_size)), ("sym", sym)):
+        if value is not None:
+            scheme_dict[key] = value
+    if ignore is not None:
+        scheme_dict["ignore"] = ignore
+    scheme: QuantScheme = scheme_from_dict(scheme_dict).with_default_sym(quantizer.default_sym)
+    format_name = format or rec.get("format") or quantizer.default_format
+    get_format(format_name)
+    cal = rec.get("calibration") or {}
+    dataset = dataset if dataset is not None else cal.get("dataset", DEFAULTS["dataset"])
+    num_samples = int(_merge(rec, "num_samples", "calibration", num_samples))
+    seq_len = int(_merge(rec, "seq_len", "calibration", seq_len))
+    seed = int(_merge(rec, "seed", "calibration", seed))
+    if num_samples < 1 or seq_len < 2:
+        raise QuantkitError("--num-samples must be at least 1 and --seq-len at least 2")
+    if output is not None:
+        check_output_dir(Path(output), overwrite)
+    compute_device = torch.device(device or "cpu")
+
+    hf_model, tokenizer, base_name = load_source_model(model, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    save_dtype = parse_dtype(dtype) or source_dtype(hf_model.config)
+    adapter = get_adapter(hf_model)
+    schemes = scheme.resolve(linear_shapes(hf_model))
+    groups = sorted({s.group_size for s in schemes.values()})
+    if output is None:
+        g = groups[0] if len(groups) == 1 else "mixed"
+        tag = f"w{scheme.bits}" + ("pc" if g == -1 else f"g{g}")
+        output = Path(f"{Path(base_name).name.lower()}-{quantizer.name}-{tag}")
+        check_output_dir(output, overwrite)
+    output = Path(output)
+
+    input_ids = None
+    if quantizer.needs_calibration:
+        input_ids = data.calibration_batches(dataset, tokenizer, num_samples=num_samples, seq_len=seq_len, seed=seed,
+                                             chat_template=chat_template)
+    results = quantize_model(hf_model, adapter, quantizer, schemes, input_ids, device=compute_device,
+                             batch_size=batch_size, progress=progress)
+    method_info = {**quantizer.describe(), "seed": seed}
+    if quantizer.needs_calibration:
+        method_info.update({"calibration": str(dataset) if isinstance(dataset, (str, Path)) else type(dataset).__name__,
+                            "num_samples": num_samples, "seq_len": seq_len})
+    metrics = None
+    if eval_after:
+        from quantkit.evaluate import perplexity
+
+        hf_model.to(save_dtype)
+        stream = data.eval_token_stream(dataset if isinstance(dataset, (str, Path)) else DEFAULTS["dataset"], tokenizer)
+        metrics = {"perplexity (fake-quant, held-out)": round(perplexity(hf_model, stream, seq_len=512)["perplexity"], 4)}
+    ignore_names = sorted(n for n in linear_shapes(hf_model) if n not in schemes)
+    write_checkpoint(output, hf_model, tokenizer, results, format_name, method_info, quantizer.format_extra(), base_name,
+                     save_dtype, ignore_names, max_shard_size=max_shard_size, overwrite=overwrite, metrics=metrics)
+    bits_used = sorted({s.bits for s in schemes.values()})
+    return {
+        "output": str(output),
+        "method": quantizer.name,
+        "bits": bits_used[0] if len(bits_used) == 1 else bits_used,
+        "group_size": groups[0] if len(groups) == 1 else groups,
+        "format": format_name,
+        "quantized_linears": len(results),
+        "seconds": round(time.perf_counter() - t0, 3),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        **({"metrics": metrics} if metrics else {}),
+    }
+
+
+def _make_quantizer(method: Union[str, Quantizer], options: dict) -> Quantizer:
+    if isinstance(method, Quantizer):
+        return method
+    if isinstance(method, type) and issubclass(method, Quantizer):
+        return method(**options)
+    return get_quantizer(str(method), **options)
+
+
+def load(path: Union[str, Path], backend: str = "auto", device: Optional[str] = None, dtype: Optional[str] = None,
+         trust_remote_code: bool = False):
+    """Load a quantkit/gptq/awq/compressed-tensors checkpoint (or a plain HF model, or 'demo') for inference."""
+    from quantkit.runtime.loader import load_model
+
+    return load_model(str(path), backend=backend, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def evaluate(
+    model: Union[str, Path],
+    baseline: Optional[str] = None,
+    dataset: Any = "lee",
+    seq_len: int = 512,
+    max_windows: Optional[int] = None,
+    backend: str = "auto",
+    dtype: Optional[str] = None,
+    device: Optional[str] = None,
+    batch_size: int = 4,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Held-out perplexity of `model`, and of `baseline` on the same tokens when given."""
+    from quantkit import data
+    from quantkit.evaluate import perplexity
+    from quantkit.runtime.loader import load_tokenizer
+
+    t0 = time.perf_counter()
+    qmodel = load(model, backend=backend, device=device, dtype=dtype)
+    tokenizer = load_tokenizer(str(model))
+    stream = data.eval_token_stream(dataset, tokenizer)
+    result = perplexity(qmodel, stream, seq_len=seq_len, max_windows=max_windows, batch_size=batch_size, progress=progress)
+    out = {"model": str(model), "perplexity": result["perplexity"], "tokens": result["tokens"], "windows": result["windows"],
+           "backend": backend}
+    del qmodel
+    if baseline:
+        base = load(baseline, backend=backend, device=device, dtype=dtype)
+        base_result = perplexity(base, stream, seq_len=seq_len, max_windows=max_windows, batch_size=batch_size, progress=progress)
+        out["baseline"] = str(baseline)
+        out["baseline_perplexity"] = base_result["perplexity"]
+        out["ratio"] = result["perplexity"] / base_result["perplexity"]
+    else:
+        out["baseline_perplexity"] = None
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    return out

@@ -1,0 +1,180 @@
+"""The layer-by-layer calibration driver. It knows nothing of any one method.
+
+It captures what enters the first decoder layer (hidden states plus every keyword argument the
+layer needs: masks, position ids, rotary embeddings), then per layer: moves it to the compute
+device, runs the calibration batches with hooks that hand each target linear's inputs to the
+quantizer, quantizes stage by stage (later stages see earlier ones already quantized), runs the
+layer once more so the next layer sees the quantized layer's outputs, and moves it back.
+Only one decoder layer lives on the compute device; activations stay on `activation_device`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from quantkit.errors import QuantkitError
+from quantkit.qtensor import QuantizedWeight
+from quantkit.quantizers.base import LayerContext, Quantizer
+from quantkit.scheme import LinearScheme
+
+
+class _StopForward(Exception):
+    pass
+
+
+def _to(obj, device):
+    """Move tensors inside nested tuples/lists/dicts to `device` (kwargs hold rotary tuples, masks...)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(_to(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [_to(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
+@torch.no_grad()
+def capture_layer_inputs(model, adapter, input_ids: torch.Tensor, batch_size: int, device, activation_device) -> list:
+    """Run the model up to decoder layer 0 and record (hidden_states, kwargs) per batch."""
+    layers = adapter.decoder_layers(model)
+    first = layers[0]
+    captured = []
+
+    class Catcher(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, hidden_states, *args, **kwargs):
+            if args:
+                raise QuantkitError("decoder layer received positional arguments the driver cannot replay")
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_value", "past_key_values")}
+            kwargs["use_cache"] = False
+            captured.append((hidden_states.to(activation_device), _to(kwargs, activation_device)))
+            raise _StopForward
+
+    pre_modules = [m for _, m in adapter.embeddings(model)]
+    for m in pre_modules:
+        m.to(device)
+    layers[0] = Catcher(first)
+    try:
+        for start in range(0, input_ids.shape[0], batch_size):
+            batch = input_ids[start:start + batch_size].to(device)
+            try:
+                model(input_ids=batch, use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        layers[0] = first
+        for m in pre_modules:
+            m.to(activation_device)
+    return captured
+
+
+def _layer_output(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def quantize_model(
+    model,
+    adapter,
+    quantizer: Quantizer,
+    schemes: dict[str, LinearScheme],
+    input_ids: Optional[torch.Tensor],
+    device: torch.device | str = "cpu",
+    activation_device: torch.device | str = "cpu",
+    compute_dtype: torch.dtype = torch.float32,
+    batch_size: int = 8,
+    progress: bool = True,
+    on_layer_done: Optional[Callable[[int, dict[str, QuantizedWeight]], None]] = None,
+) -> dict[str, QuantizedWeight]:
+    """Quantize every linear named in `schemes` (full names) and return their QuantizedWeights.
+
+    The model's linears are left fake-quantized (weights replaced by their dequantized values),
+    which is exactly what the next layer must see during calibration.
+    """
+    layers = adapter.decoder_layers(model)
+    prefix = adapter.layers_prefix(model)
+    needs_data = quantizer.needs_calibration
+    if needs_data and input_ids is None:
+        raise QuantkitError(f"method {quantizer.name!r} needs calibration data; pass --dataset")
+
+    inputs = capture_layer_inputs(model, adapter, input_ids, batch_size, device, activation_device) if needs_data else []
+    results: dict[str, QuantizedWeight] = {}
+    bar = tqdm(range(len(layers)), desc=f"{quantizer.name}", unit="layer", disable=not progress)
+    for i in bar:
+        t0 = time.perf_counter()
+        layer = layers[i]
+        original_dtype = next(layer.parameters()).dtype
+        layer.to(device=device, dtype=compute_dtype)
+        layer_prefix = f"{prefix}.{i}."
+        layer_schemes = {n[len(layer_prefix):]: s for n, s in schemes.items() if n.startswith(layer_prefix)}
+
+        def run_layer(layer=layer):
+            outs = []
+            for hidden, kwargs in inputs:
+                out = layer(_to(hidden, device).to(compute_dtype), **_to(kwargs, device))
+                outs.append(_layer_output(out).to(activation_device))
+            return outs
+
+        ctx = LayerContext(index=i, layer=layer, prefix=layer_prefix, adapter=adapter, config=model.config,
+                           schemes=layer_schemes, inputs=inputs, run_layer=run_layer)
+        quantizer.begin_layer(ctx)
+        layer_results = {}
+        for stage in quantizer.stages(ctx):
+            stage = [n for n in stage if n in layer_schemes]
+            if not stage:
+                continue
+            modules = {n: layer.get_submodule(n) for n in stage}
+            if needs_data:
+                handles = [m.register_forward_hook(_observer(quantizer, n)) for n, m in modules.items()]
+                try:
+                    with torch.no_grad():
+                        run_layer()
+                finally:
+                    for h in handles:
+                        h.remove()
+            for n, m in modules.items():
+                with torch.no_grad():
+                    qw = quantizer.quantize_linear(n, m, layer_schemes[n])
+                    _check_finite(layer_prefix + n, qw)
+                    m.weight.data = qw.dequantize(m.weight.dtype).to(m.weight.device)
+                layer_results[layer_prefix + n] = _to_cpu(qw)
+        if needs_data:
+            with torch.no_grad():
+                inputs[:] = [(out, kwargs) for out, (_, kwargs) in zip(run_layer(), inputs)]
+        quantizer.end_layer(ctx)
+        layer.to(device="cpu", dtype=original_dtype) if str(device) != "cpu" else layer.to(dtype=original_dtype)
+        results.update(layer_results)
+        if on_layer_done is not None:
+            on_layer_done(i, layer_results)
+        bar.set_postfix(layer_s=f"{time.perf_counter() - t0:.2f}")
+    missing = set(schemes) - set(results)
+    if missing:
+        raise QuantkitError(f"{len(missing)} target linears lie outside the decoder layers (e.g. {sorted(missing)[0]}); add them to --ignore")
+    return results
+
+
+def _observer(quantizer: Quantizer, name: str):
+    def hook(module, args, output):
+        quantizer.observe(name, module, args[0].detach())
+
+    return hook
+
+
+def _check_finite(name: str, qw: QuantizedWeight) -> None:
+    if not torch.isfinite(qw.scales).all():
+        raise QuantkitError(f"quantizing {name} produced non-finite scales; the calibration data or weights contain NaN/inf")
+
+
+def _to_cpu(qw: QuantizedWeight) -> QuantizedWeight:
+    from dataclasses import replace
+
+    return replace(qw, qweight=qw.qweight.cpu(), scales=qw.scales.cpu(), zeros=qw.zeros.cpu(), g_idx=qw.g_idx.cpu(),
+                   bias=None if qw.bias is None else qw.bias.detach().cpu())

@@ -1,0 +1,180 @@
+"""Writing a packed, Hub-ready checkpoint folder, atomically.
+
+Everything goes into a hidden staging folder beside the destination and is renamed into place at
+the end, so an interrupted run never leaves a half-written output and never touches what the user
+already had there. Tensors are packed by the format module (the same one the loader unpacks with).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from quantkit import __version__
+from quantkit.errors import QuantkitError
+from quantkit.formats import get_format
+from quantkit.formats.spec import LinearSpec
+from quantkit.qtensor import QuantizedWeight
+
+
+def staging_dir(output: Path) -> Path:
+    return output.parent / f".{output.name}.partial"
+
+
+def check_output_dir(output: Path, overwrite: bool) -> None:
+    """Fail before any work if the destination would clobber the user's files or a leftover run exists."""
+    if output.exists() and not output.is_dir():
+        raise QuantkitError(f"output {output} exists and is not a folder; choose another --output")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise QuantkitError(f"output folder {output} is not empty; pass --overwrite or choose another --output")
+    if staging_dir(output).exists():
+        raise QuantkitError(f"found the partial folder {staging_dir(output)} of an interrupted run; delete it to start over")
+
+
+def linear_specs(results: dict[str, QuantizedWeight]) -> dict[str, LinearSpec]:
+    return {
+        name: LinearSpec(out_features=qw.shape[0], in_features=qw.shape[1], bits=qw.bits, group_size=qw.group_size,
+                         sym=qw.sym, act_order=qw.act_order)
+        for name, qw in results.items()
+    }
+
+
+def build_state_dict(model, results: dict[str, QuantizedWeight], format_name: str, save_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Unquantized tensors in `save_dtype`, each quantized linear replaced by its packed tensors."""
+    fmt = get_format(format_name)
+    state: dict[str, torch.Tensor] = {}
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    for key, tensor in model.state_dict().items():
+        module = key.rsplit(".", 1)[0]
+        if module in results:
+            continue
+        if tied and key == "lm_head.weight":
+            continue
+        t = tensor.detach()
+        state[key] = (t.to(save_dtype) if t.is_floating_point() else t).contiguous().clone()
+    for name, qw in results.items():
+        for suffix, tensor in fmt.pack(qw).items():
+            state[f"{name}.{suffix}"] = tensor.contiguous()
+        if qw.bias is not None:
+            state[f"{name}.bias"] = qw.bias.to(torch.float16).contiguous()
+    return state
+
+
+def write_checkpoint(
+    output: Path,
+    model,
+    tokenizer,
+    results: dict[str, QuantizedWeight],
+    format_name: str,
+    method: dict[str, Any],
+    format_extra: dict[str, Any],
+    base_model: str,
+    save_dtype: torch.dtype,
+    ignore: list[str],
+    max_shard_size: str = "5GB",
+    overwrite: bool = False,
+    metrics: Optional[dict[str, Any]] = None,
+) -> Path:
+    """Write the whole folder into a staging area, then rename it into `output`."""
+    output = Path(output)
+    check_output_dir(output, overwrite)
+    fmt = get_format(format_name)
+    stage = staging_dir(output)
+    stage.mkdir(parents=True)
+    try:
+        state = build_state_dict(model, results, format_name, save_dtype)
+        _save_sharded(state, stage, max_shard_size)
+        qcfg = fmt.quantization_config(linear_specs(results), ignore, format_extra)
+        _save_config(model, stage, qcfg, save_dtype)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(stage)
+        gen = getattr(model, "generation_config", None)
+        if gen is not None:
+            try:
+                gen.save_pretrained(stage)
+            except (ValueError, OSError):
+                pass
+        (stage / "README.md").write_text(model_card(base_model, format_name, method, qcfg, results, metrics))
+        _replace_dir(stage, output)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return output
+
+
+def _save_sharded(state: dict[str, torch.Tensor], folder: Path, max_shard_size) -> None:
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    try:
+        split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size,
+                                                   filename_pattern="model{suffix}.safetensors")
+    except ValueError as exc:
+        raise QuantkitError(f"invalid --max-shard-size {max_shard_size!r}: {exc}; use e.g. 2GB or 500MB") from None
+    for filename, keys in split.filename_to_tensors.items():
+        save_file({k: state[k] for k in keys}, str(folder / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": split.tensor_to_filename}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _save_config(model, folder: Path, qcfg: dict, save_dtype: torch.dtype) -> None:
+    config = model.config.to_dict()
+    config.pop("_name_or_path", None)
+    config["quantization_config"] = qcfg
+    config["dtype"] = str(save_dtype).replace("torch.", "")
+    config.pop("torch_dtype", None)
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _replace_dir(stage: Path, output: Path) -> None:
+    """Rename the finished staging folder into place; an old output (with --overwrite) goes only after."""
+    old = None
+    if output.exists():
+        old = output.parent / f".{output.name}.old-{os.getpid()}-{int(time.time())}"
+        os.replace(output, old)
+    os.replace(stage, output)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def model_card(base_model: str, format_name: str, method: dict[str, Any], qcfg: dict, results: dict[str, QuantizedWeight],
+               metrics: Optional[dict[str, Any]]) -> str:
+    bits = sorted({qw.bits for qw in results.values()})
+    groups = sorted({qw.group_size for qw in results.values()})
+    tags = ["quantkit", method.get("method", "quantized"), format_name] + [f"{b}-bit" for b in bits]
+    front = ["---", f"base_model: {base_model}", "library_name: transformers", "pipeline_tag: text-generation", "tags:"]
+    front += [f"- {t}" for t in dict.fromkeys(tags)]
+    front.append("---")
+    lines = [
+        "",
+        f"# {Path(base_model).name} — {method.get('method', '?').upper()} {'/'.join(map(str, bits))}-bit",
+        "",
+        f"Quantized from [{base_model}](https://huggingface.co/{base_model}) with quantkit {__version__}.",
+        "",
+        "## Quantization",
+        "",
+        f"- method: `{method.get('method')}`",
+        f"- format: `{format_name}` (quant_method `{qcfg.get('quant_method')}`)",
+        f"- bits: {', '.join(map(str, bits))}; group size: {', '.join('per-channel' if g == -1 else str(g) for g in groups)}",
+        f"- symmetric: {sorted({qw.sym for qw in results.values()})}",
+        f"- quantized linears: {len(results)}",
+    ]
+    for k, v in method.items():
+        if k != "method":
+            lines.append(f"- {k}: `{v}`")
+    if metrics:
+        lines += ["", "## Measured", ""]
+        for k, v in metrics.items():
+            lines.append(f"- {k}: {v}")
+    lines += ["", "## Use", "", "```python", "import quantkit", "model = quantkit.load(\"PATH\")", "```", "",
+              "The folder also loads with `transformers` (gptq/awq through their integrations, compressed-tensors "
+              "through the `compressed-tensors` package) and with vLLM.", ""]
+    return "\n".join(front + lines)

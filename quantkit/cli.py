@@ -1,0 +1,157 @@
+"""`quantkit` command line: parse, call the Python API, print (human or --json). No logic of its own.
+
+Errors a user can fix exit with code 2 and one line on stderr, never a traceback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from quantkit.errors import QuantkitError
+
+
+def _emit(result: dict, as_json: bool, human: str) -> None:
+    if as_json:
+        click.echo(json.dumps(result, default=str))
+    else:
+        click.echo(human)
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="quantkit")
+def cli():
+    """quantkit: quantize Hugging Face causal LMs into packed, Hub-ready checkpoints and measure them."""
+
+
+@cli.command()
+@click.option("--model", default="demo", show_default=True, help="HF folder, hub id, .gguf file, or 'demo'.")
+@click.option("--method", default=None, help="rtn, gptq, awq, smoothquant (default: the recipe's, else rtn).")
+@click.option("--bits", type=int, default=None, help="2, 3, 4 or 8 (default 4).")
+@click.option("--group-size", default=None, help="32, 64, 128, -1 (per channel) or auto (default).")
+@click.option("--sym/--asym", default=None, help="Symmetric or asymmetric grid (default: the method's usual).")
+@click.option("--format", "format_", default=None, help="gptq, compressed-tensors or awq (default: the method's).")
+@click.option("--recipe", default=None, help="YAML recipe (path or bundled name); flags override it.")
+@click.option("--dataset", default=None, help="lee (default), wikitext2, c4, pileval, ultrachat, or a .txt/.jsonl/.json/.parquet file.")
+@click.option("--num-samples", type=int, default=None, help="Calibration sequences (default 128).")
+@click.option("--seq-len", type=int, default=None, help="Tokens per calibration sequence (default 512).")
+@click.option("--seed", type=int, default=None, help="Sampling seed (default 0).")
+@click.option("--chat-template", is_flag=True, help="Render message datasets with the tokenizer's chat template.")
+@click.option("--ignore", multiple=True, help="Regex of module names to keep in full precision (repeatable; default lm_head).")
+@click.option("--option", "options", multiple=True, help="Method option KEY=VALUE (repeatable), e.g. damp_percent=0.02.")
+@click.option("--output", default=None, help="Output folder (default ./<model>-<method>-w<bits>g<group>).")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder (only once the new one is complete).")
+@click.option("--dtype", default="auto", show_default=True, help="dtype of unquantized tensors in the output.")
+@click.option("--device", default=None, help="Compute device for the layer being calibrated (default cpu).")
+@click.option("--trust-remote-code", is_flag=True, help="Allow model code from the hub (off by default).")
+@click.option("--max-shard-size", default="5GB", show_default=True)
+@click.option("--batch-size", type=int, default=8, show_default=True, help="Calibration sequences per forward.")
+@click.option("--eval", "eval_after", is_flag=True, help="Measure held-out perplexity and record it in the model card.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line of stdout.")
+def quantize(model, method, bits, group_size, sym, format_, recipe, dataset, num_samples, seq_len, seed, chat_template,
+             ignore, options, output, overwrite, dtype, device, trust_remote_code, max_shard_size, batch_size, eval_after,
+             as_json):
+    """Quantize a model and write a packed checkpoint."""
+    from quantkit import api
+
+    _quiet_libraries()
+    result = api.quantize(
+        model=model, method=method, bits=bits, group_size=group_size, sym=sym, format=format_, recipe=recipe,
+        dataset=dataset, num_samples=num_samples, seq_len=seq_len, seed=seed, chat_template=chat_template,
+        ignore=list(ignore) if ignore else None, options=_parse_options(options), output=output, overwrite=overwrite,
+        dtype=dtype, device=device, trust_remote_code=trust_remote_code, max_shard_size=max_shard_size,
+        batch_size=batch_size, eval_after=eval_after, progress=not as_json,
+    )
+    _emit(result, as_json, f"wrote {result['output']} ({result['method']}, {result['bits']}-bit, group {result['group_size']}, "
+                           f"{result['format']}) in {result['seconds']:.1f} s, peak RSS {result['peak_rss_mb']:.0f} MB")
+
+
+@cli.command("eval")
+@click.option("--model", required=True, help="Quantized checkpoint folder, HF folder, or 'demo'.")
+@click.option("--baseline", default=None, help="Model to compare against on the same tokens (e.g. demo).")
+@click.option("--dataset", default="lee", show_default=True)
+@click.option("--seq-len", type=int, default=512, show_default=True)
+@click.option("--max-windows", type=int, default=None, help="Score at most this many windows.")
+@click.option("--backend", default="auto", show_default=True, help="auto, reference, cpu or triton.")
+@click.option("--dtype", default=None, help="Activation dtype (default: the checkpoint's).")
+@click.option("--device", default=None)
+@click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def eval_cmd(model, baseline, dataset, seq_len, max_windows, backend, dtype, device, batch_size, as_json):
+    """Held-out perplexity, optionally next to a baseline's."""
+    from quantkit import api
+
+    _quiet_libraries()
+    r = api.evaluate(model, baseline=baseline, dataset=dataset, seq_len=seq_len, max_windows=max_windows, backend=backend,
+                     dtype=dtype, device=device, batch_size=batch_size, progress=not as_json)
+    human = f"perplexity {r['perplexity']:.4f} over {r['tokens']} tokens ({r['windows']} windows)"
+    if r.get("baseline_perplexity"):
+        human += f"; baseline {r['baseline_perplexity']:.4f}; ratio {r['ratio']:.4f}"
+    _emit(r, as_json, human)
+
+
+@cli.command()
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True)
+def inspect(path, as_json):
+    """Scheme, per-layer bits and groups, and size on disk against the original."""
+    from quantkit.inspect import inspect_checkpoint
+
+    r = inspect_checkpoint(path)
+    lines = [f"{r['path']}: {r['quant_method']} ({r['format']}), {r['quantized_linears']} quantized linears",
+             f"size on disk {r['size_mb']:.1f} MB; unquantized equivalent {r['original_size_mb']:.1f} MB "
+             f"({r['compression']:.2f}x smaller)"]
+    for name, info in r["layers"].items():
+        lines.append(f"  {name}: {info['bits']}-bit, group {info['group_size']}, {'sym' if info['sym'] else 'asym'}, "
+                     f"{info['shape'][0]}x{info['shape'][1]}")
+    _emit(r, as_json, "\n".join(lines))
+
+
+def _parse_options(pairs) -> dict:
+    import yaml
+
+    out = {}
+    for pair in pairs or ():
+        if "=" not in pair:
+            raise QuantkitError(f"--option {pair!r} must look like KEY=VALUE")
+        key, value = pair.split("=", 1)
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def main(argv=None) -> int:
+    """Console entry point: maps user errors to exit code 2 and one stderr line."""
+    try:
+        cli.main(args=argv, standalone_mode=False, prog_name="quantkit")
+    except QuantkitError as exc:
+        click.echo(f"error: {exc}", err=True)
+        return _exit(2)
+    except click.exceptions.Abort:
+        click.echo("error: interrupted", err=True)
+        return _exit(130)
+    except click.ClickException as exc:
+        click.echo(f"error: {exc.format_message()}", err=True)
+        return _exit(2)
+    except KeyboardInterrupt:
+        click.echo("error: interrupted", err=True)
+        return _exit(130)
+    return _exit(0)
+
+
+def _exit(code: int) -> int:
+    sys.stdout.flush()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""Round-to-nearest: the baseline every other method must beat, and the quickest path to a checkpoint."""
+from __future__ import annotations
+
+from torch import nn
+
+from quantkit.quantizers.base import Quantizer, register_quantizer
+from quantkit.quantizers.grid import rtn_quantize
+from quantkit.scheme import LinearScheme
+
+
+@register_quantizer
+class RTNQuantizer(Quantizer):
+    name = "rtn"
+    default_sym = True
+    needs_calibration = False
+
+    def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme):
+        return rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias)

@@ -1,0 +1,113 @@
+"""Where a full-precision model comes from: the bundled demo, a local HF folder, a GGUF file or a hub id.
+
+Everything ends up as a plain transformers model (no `quantization_config`), so the calibration
+driver and the writer never care where it came from.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from quantkit.errors import QuantkitError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    if name in (None, "auto"):
+        return None
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise QuantkitError(f"unknown dtype {name!r}; choose auto, float32, float16 or bfloat16")
+    return DTYPES[name]
+
+
+def resolve_model_path(model: str) -> str:
+    """'demo' -> the converted demo folder; a path stays a path; anything else is a hub id."""
+    if model == "demo":
+        from quantkit.assets import demo_model_dir
+
+        return str(demo_model_dir())
+    return model
+
+
+def source_dtype(config) -> torch.dtype:
+    """The dtype the source checkpoint was stored in (what unquantized tensors are written back as)."""
+    d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = DTYPES.get(d, torch.float16)
+    return d if isinstance(d, torch.dtype) and d.is_floating_point else torch.float16
+
+
+def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, trust_remote_code: bool = False):
+    """Load (model, tokenizer, name_for_card) in `dtype` on CPU; refuses already-quantized folders."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(model)
+    p = Path(path)
+    if p.suffix == ".gguf":
+        return _load_gguf(p, dtype)
+    looks_local = p.exists() or path.startswith((".", "/", "~")) or path.count("/") > 1
+    if looks_local and not p.exists():
+        raise QuantkitError(f"model path {path} does not exist; pass an HF folder, a .gguf file, a hub id or 'demo'")
+    if p.is_dir():
+        cfg_file = p / "config.json"
+        if not cfg_file.is_file():
+            raise QuantkitError(f"{path} has no config.json; point --model at a Hugging Face model folder")
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise QuantkitError(f"{cfg_file} is not valid JSON ({exc.msg}); fix or re-download the model") from None
+        if cfg.get("quantization_config"):
+            method = cfg["quantization_config"].get("quant_method", "?")
+            raise QuantkitError(f"{path} is already quantized ({method}); quantize a full-precision model")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=trust_remote_code,
+                                                        low_cpu_mem_usage=True)
+    except QuantkitError:
+        raise
+    except (OSError, ValueError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise QuantkitError(f"could not load model {path}: {first}") from None
+    hf_model.eval()
+    return hf_model, tokenizer, _card_name(model, path)
+
+
+def _card_name(model: str, path: str) -> str:
+    """The base model id for the model card (the original hub id for the demo)."""
+    if model == "demo":
+        from quantkit.assets import DEMO_BASE_MODEL
+
+        return DEMO_BASE_MODEL
+    return path
+
+
+def _load_gguf(path: Path, dtype):
+    """GGUF -> float weights; transformers marks it GGUF-quantized, so rebuild a plain model from its config."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not path.is_file():
+        raise QuantkitError(f"GGUF file {path} does not exist")
+    kw = dict(gguf_file=path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, **kw)
+        loaded = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kw)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise QuantkitError(f"could not read GGUF file {path}: {str(exc).splitlines()[0]}") from None
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict(), strict=False)
+    plain.tie_weights()
+    del loaded
+    if dtype is not None:
+        plain.to(dtype)
+    plain.eval()
+    return plain, tokenizer, path.stem

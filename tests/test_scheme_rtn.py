@@ -1,0 +1,85 @@
+"""Scheme resolution rules and the RTN quantizer against a straightforward RTN written here."""
+import pytest
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.quantizers import get_quantizer
+from quantkit.quantizers.grid import rtn_quantize
+from quantkit.scheme import LinearScheme, QuantScheme, scheme_from_dict
+
+
+def plain_rtn(w: torch.Tensor, bits: int, group: int, sym: bool) -> torch.Tensor:
+    """Textbook RTN, one group at a time, with scales rounded to fp16 (the storage dtype)."""
+    out = torch.empty_like(w)
+    maxq = 2**bits - 1
+    g = w.shape[1] if group == -1 else group
+    for r in range(w.shape[0]):
+        for c0 in range(0, w.shape[1], g):
+            x = w[r, c0:c0 + g]
+            lo, hi = min(x.min().item(), 0.0), max(x.max().item(), 0.0)
+            if sym:
+                a = max(-lo, hi)
+                scale = 2 * a / maxq
+                zero = (maxq + 1) // 2
+            else:
+                scale = (hi - lo) / maxq
+            scale = float(torch.tensor(scale if scale > 0 else 1.0).half())
+            if not sym:
+                zero = min(max(round(-lo / scale), 0), maxq)
+            q = torch.clamp(torch.round(x / scale) + zero, 0, maxq)
+            out[r, c0:c0 + g] = (q - zero) * scale
+    return out
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group", [32, 64, -1])
+@pytest.mark.parametrize("sym", [True, False])
+def test_rtn_matches_plain_rtn(bits, group, sym):
+    torch.manual_seed(bits * 100 + group)
+    w = torch.randn(12, 128) * 0.05
+    w[0, :5] = 0.0  # a partly-zero row
+    w[1] = 0.0  # an all-zero row
+    qw = rtn_quantize(w, bits, group, sym)
+    expected = plain_rtn(w, bits, group, sym)
+    torch.testing.assert_close(qw.dequantize(), expected, rtol=0, atol=1e-7)
+    assert int(qw.qweight.max()) <= 2**bits - 1
+    assert qw.scales.shape == (12, 1 if group == -1 else 128 // group)
+
+
+def test_rtn_plugin_uses_module_weight_and_bias():
+    lin = torch.nn.Linear(64, 16)
+    q = get_quantizer("rtn")
+    qw = q.quantize_linear("x", lin, LinearScheme(bits=4, group_size=32, sym=True))
+    torch.testing.assert_close(qw.dequantize(), plain_rtn(lin.weight.data, 4, 32, True), rtol=0, atol=1e-7)
+    assert torch.equal(qw.bias, lin.bias.data)
+
+
+def test_auto_group_size_and_errors():
+    shapes = {"model.layers.0.mlp.up_proj": (1536, 576), "model.layers.0.mlp.down_proj": (576, 1536), "lm_head": (100, 576)}
+    resolved = QuantScheme(bits=4).resolve(shapes)
+    assert set(resolved) == {"model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"}  # lm_head ignored
+    assert {s.group_size for s in resolved.values()} == {64}
+    assert QuantScheme(bits=4).resolve({"a": (8, 256)})["a"].group_size == 128
+    with pytest.raises(QuantkitError, match="group size 128 does not divide .*576"):
+        QuantScheme(bits=4, group_size=128).resolve(shapes)
+    with pytest.raises(QuantkitError, match="unsupported bits 5"):
+        QuantScheme(bits=5)
+    with pytest.raises(QuantkitError, match="unsupported group size"):
+        QuantScheme(group_size=48)
+
+
+def test_overrides_and_ignore_from_recipe_dict():
+    scheme = scheme_from_dict({"bits": 4, "group_size": 32, "ignore": ["q_proj$"],
+                               "overrides": [{"pattern": "down_proj$", "bits": 8, "group_size": -1, "sym": False}]})
+    shapes = {"l.q_proj": (64, 64), "l.k_proj": (64, 64), "l.down_proj": (64, 128)}
+    r = scheme.resolve(shapes)
+    assert "l.q_proj" not in r
+    assert r["l.k_proj"] == LinearScheme(4, 32, True)
+    assert r["l.down_proj"] == LinearScheme(8, -1, False)
+    with pytest.raises(QuantkitError, match="unknown scheme keys"):
+        scheme_from_dict({"bitz": 4})
+
+
+def test_unknown_method_lists_choices():
+    with pytest.raises(QuantkitError, match="unknown method 'foo'; choose one of: .*rtn"):
+        get_quantizer("foo")
