@@ -1,0 +1,191 @@
+"""Architecture adapters: where things live in a transformers causal LM, and which linears share an input.
+
+Layer-by-layer calibration, GPTQ, AWQ and SmoothQuant are written once against this interface
+instead of against the module names of every model family. An adapter is stateless: it reads
+module names and shapes, never weights, so one instance serves every model of its family.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from quantkit.errors import QuantkitError
+
+NORM = "norm"
+LINEAR = "linear"
+
+# Kept sorted: it is printed in the "unsupported architecture" error.
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "opt", "phi3", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class InputGroup:
+    """Linears fed by the same input, and the module that produces that input.
+
+    A per-input-channel scale ``s`` can be moved out of the linears (weight columns * s) and into
+    ``prev`` (its output / s) without changing the full-precision function; AWQ and SmoothQuant
+    use exactly that freedom (see ``quantkit.models.folding.fold_scales``).
+
+    prev:      name, relative to the decoder layer, of the module whose output feeds ``linears``:
+               a norm ("input_layernorm") or a linear ("self_attn.v_proj", "mlp.up_proj").
+    linears:   the linears that consume that output, e.g. the q, k and v projections.
+    inspect:   the module whose output is the group's "block output" for AWQ's loss ("self_attn"
+               for qkv, "mlp" for gate/up, the linear itself for v->o and up->down).
+    kind:      "norm" or "linear": how ``prev`` is folded.
+    prev_rows: for a fused linear ``prev`` (Phi-3 qkv_proj, gate_up_proj), the half-open range
+               ``(start, stop)`` of its output rows that feed ``linears``; only those rows may be
+               rescaled. None means all rows.
+    """
+
+    prev: str
+    linears: tuple[str, ...]
+    inspect: str
+    kind: str
+    prev_rows: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        if self.kind not in (NORM, LINEAR):
+            raise ValueError(f"InputGroup.kind must be 'norm' or 'linear', got {self.kind!r}")
+        if not self.linears:
+            raise ValueError("InputGroup.linears must not be empty")
+        if self.prev_rows is not None:
+            if self.kind != LINEAR:
+                raise ValueError("InputGroup.prev_rows only applies to kind 'linear'")
+            start, stop = self.prev_rows
+            if not 0 <= start < stop:
+                raise ValueError(f"InputGroup.prev_rows must be a non-empty range, got {self.prev_rows}")
+
+
+def resolve(root: nn.Module, path: str) -> nn.Module:
+    """``root.get_submodule(path)``, but a missing module is a one-line QuantkitError.
+
+    The usual cause is handing quantkit a base model (``AutoModel``) or a remote-code variant
+    whose module names differ from the transformers implementation the adapter was written for.
+    """
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        raise QuantkitError(
+            f"{type(root).__name__} has no module '{path}'; quantkit expects a transformers causal LM "
+            f"(AutoModelForCausalLM) with the standard module layout"
+        ) from None
+
+
+class ArchitectureAdapter:
+    """Where the parts of one family of causal LMs live. Subclasses fill in the names."""
+
+    model_types: tuple[str, ...] = ()
+
+    # -- whole-model structure -------------------------------------------------------------
+    def layers_prefix(self, model: nn.Module) -> str:
+        """Dotted path of the decoder ModuleList, e.g. "model.layers"."""
+        raise NotImplementedError
+
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        layers = resolve(model, self.layers_prefix(model))
+        if not isinstance(layers, nn.ModuleList):
+            raise QuantkitError(
+                f"'{self.layers_prefix(model)}' of {type(model).__name__} is a {type(layers).__name__}, "
+                "expected the ModuleList of decoder layers"
+            )
+        return layers
+
+    def layer_name(self, model: nn.Module, index: int, name: str = "") -> str:
+        """Fully qualified name of ``name`` inside decoder layer ``index``."""
+        base = f"{self.layers_prefix(model)}.{index}"
+        return f"{base}.{name}" if name else base
+
+    def embeddings(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """Modules that run before layer 0 (fully qualified names), in execution order."""
+        raise NotImplementedError
+
+    def final_norm(self, model: nn.Module) -> tuple[str, nn.Module] | None:
+        """The norm applied to the last layer's output, or None where the model has none (post-LN OPT)."""
+        raise NotImplementedError
+
+    def post_layers(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """Every module between the last decoder layer and lm_head, in execution order.
+
+        Usually just the final norm; OPT may add ``project_out`` or have no norm at all, so code that
+        turns last-layer hidden states into logits should apply these rather than only final_norm.
+        """
+        norm = self.final_norm(model)
+        return [norm] if norm is not None else []
+
+    def lm_head(self, model: nn.Module) -> tuple[str, nn.Module]:
+        return "lm_head", resolve(model, "lm_head")
+
+    def rotary_embedding(self, model: nn.Module) -> nn.Module | None:
+        """The shared rotary-embedding module (position_embeddings for every layer), if any."""
+        return None
+
+    # -- one decoder layer --------------------------------------------------------------------
+    def _linear_names(self, layer: nn.Module) -> list[str]:
+        raise NotImplementedError
+
+    def linear_names(self, layer: nn.Module) -> list[str]:
+        """All nn.Linear names inside one decoder layer, in execution order.
+
+        Checked against the layer: a linear the adapter does not know about would otherwise be
+        silently left unquantized, so an unexpected layout is an error instead.
+        """
+        names = self._linear_names(layer)
+        for name in names:
+            if not isinstance(resolve(layer, name), nn.Linear):
+                raise QuantkitError(f"'{name}' in {type(layer).__name__} is not an nn.Linear; unsupported layout")
+        present = {n for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        unknown = sorted(present - set(names))
+        if unknown:
+            raise QuantkitError(
+                f"{type(layer).__name__} has linears quantkit does not know about ({', '.join(unknown)}); "
+                "unsupported layout"
+            )
+        return names
+
+    def sequential_stages(self, layer: nn.Module) -> list[list[str]]:
+        """Linears grouped by true-sequential order: each stage sees the previous stages quantized."""
+        raise NotImplementedError
+
+    def input_groups(self, layer: nn.Module, config=None) -> list[InputGroup]:
+        """Groups of linears sharing an input, with where to fold a per-channel scale.
+
+        Only mappings whose folding is exact in full precision are returned. ``config`` is accepted
+        for interface symmetry; adapters read the facts they need from the layer's own modules.
+        """
+        raise NotImplementedError
+
+
+def get_adapter(model_or_config) -> ArchitectureAdapter:
+    """The adapter for a model, its config, or a model_type string, chosen by ``config.model_type``."""
+    if isinstance(model_or_config, str):
+        model_type = model_or_config
+    else:
+        config = getattr(model_or_config, "config", model_or_config)
+        model_type = getattr(config, "model_type", None)
+    adapter = _registry().get(model_type)
+    if adapter is None:
+        raise QuantkitError(
+            f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return adapter
+
+
+_REGISTRY: dict[str, ArchitectureAdapter] | None = None
+
+
+def _registry() -> dict[str, ArchitectureAdapter]:
+    # Imported lazily: the adapter modules import this one.
+    global _REGISTRY
+    if _REGISTRY is None:
+        from quantkit.models.llama import LlamaAdapter
+        from quantkit.models.opt import OPTAdapter
+        from quantkit.models.phi3 import Phi3Adapter
+
+        registry = {}
+        for adapter in (LlamaAdapter(), OPTAdapter(), Phi3Adapter()):
+            for model_type in adapter.model_types:
+                registry[model_type] = adapter
+        assert tuple(sorted(registry)) == SUPPORTED_MODEL_TYPES, sorted(registry)
+        _REGISTRY = registry
+    return _REGISTRY

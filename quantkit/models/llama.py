@@ -1,0 +1,52 @@
+"""Llama-style decoders: llama, mistral, qwen2, qwen3.
+
+They share one module layout (model.layers[i].self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj,
+input_layernorm, post_attention_layernorm, model.norm, model.embed_tokens, model.rotary_emb,
+lm_head). Qwen2's q/k/v biases and Qwen3's q_norm/k_norm (applied to q/k *after* the projections)
+do not change any mapping: folding keeps each projection's output unchanged.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from quantkit.models.base import LINEAR, NORM, ArchitectureAdapter, InputGroup, resolve
+
+Q, K, V, O = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"
+GATE, UP, DOWN = "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"
+
+
+class LlamaAdapter(ArchitectureAdapter):
+    model_types = ("llama", "mistral", "qwen2", "qwen3")
+
+    def layers_prefix(self, model: nn.Module) -> str:
+        return "model.layers"
+
+    def embeddings(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        names = ["model.embed_tokens", "model.rotary_emb"]
+        return [(name, resolve(model, name)) for name in names]
+
+    def final_norm(self, model: nn.Module) -> tuple[str, nn.Module]:
+        return "model.norm", resolve(model, "model.norm")
+
+    def rotary_embedding(self, model: nn.Module) -> nn.Module | None:
+        return resolve(model, "model.rotary_emb")
+
+    def _linear_names(self, layer: nn.Module) -> list[str]:
+        return [Q, K, V, O, GATE, UP, DOWN]
+
+    def sequential_stages(self, layer: nn.Module) -> list[list[str]]:
+        return [[Q, K, V], [O], [GATE, UP], [DOWN]]
+
+    def input_groups(self, layer: nn.Module, config=None) -> list[InputGroup]:
+        groups = [InputGroup("input_layernorm", (Q, K, V), inspect="self_attn", kind=NORM)]
+        # v -> o: attention output is a convex combination of value rows, so scaling v's output
+        # channels by 1/s and o's input columns by s is exact -- but only channel-for-channel.
+        # With GQA one v channel feeds num_key_value_groups o columns, so a free per-column scale
+        # on o cannot be folded into v (AutoAWQ / llm-awq skip it too). The test is on the real
+        # widths, not on weight shapes: qwen3 can have num_heads*head_dim != hidden_size.
+        if resolve(layer, V).out_features == resolve(layer, O).in_features:
+            groups.append(InputGroup(V, (O,), inspect=O, kind=LINEAR))
+        groups.append(InputGroup("post_attention_layernorm", (GATE, UP), inspect="mlp", kind=NORM))
+        # up -> down: down sees act(gate(x)) * up(x), linear in up's output for any activation.
+        groups.append(InputGroup(UP, (DOWN,), inspect=DOWN, kind=LINEAR))
+        return groups
