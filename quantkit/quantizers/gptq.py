@@ -1,0 +1,77 @@
+"""GPTQ as a quantizer plugin: Hessians from the calibration hooks, the solver in gptq_core.
+
+True-sequential (default on) quantizes q/k/v, then o, then gate/up, then down, re-running the
+layer between stages so later linears see the earlier ones already quantized.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.quantizers.base import LayerContext, Quantizer, register_quantizer
+from quantkit.quantizers.gptq_core import HessianAccumulator, gptq_quantize
+from quantkit.scheme import LinearScheme
+
+
+@register_quantizer
+class GPTQQuantizer(Quantizer):
+    name = "gptq"
+    default_sym = True
+    needs_calibration = True
+    options_spec = {
+        "damp_percent": 0.01,
+        "block_size": 128,
+        "desc_act": False,
+        "static_groups": False,
+        "true_sequential": True,
+        "mse": False,
+        "offload_hessians": False,
+    }
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        o = self.options
+        if not 0 < float(o["damp_percent"]) < 1:
+            raise QuantkitError(f"damp_percent must be in (0, 1), got {o['damp_percent']}")
+        if int(o["block_size"]) < 1:
+            raise QuantkitError(f"block_size must be positive, got {o['block_size']}")
+        self._hessians: dict[str, HessianAccumulator] = {}
+        self.layer_stats: dict[str, dict] = {}
+
+    def stages(self, ctx: LayerContext) -> list[list[str]]:
+        if self.options["true_sequential"]:
+            return ctx.adapter.sequential_stages(ctx.layer)
+        return super().stages(ctx)
+
+    def observe(self, name: str, module: nn.Module, x: torch.Tensor) -> None:
+        acc = self._hessians.get(name)
+        if acc is None:
+            acc = HessianAccumulator(module.in_features, device=x.device, offload=bool(self.options["offload_hessians"]))
+            self._hessians[name] = acc
+        acc.add_batch(x)
+
+    def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme):
+        acc = self._hessians.pop(name, None)
+        if acc is None or acc.n_samples == 0:
+            raise QuantkitError(f"GPTQ saw no calibration inputs for {name}; check the dataset")
+        o = self.options
+        qw, stats = gptq_quantize(
+            module.weight.data, acc.hessian().to(module.weight.device), bits=scheme.bits, group_size=scheme.group_size,
+            sym=scheme.sym, block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
+            act_order=bool(o["desc_act"]), static_groups=bool(o["static_groups"]), mse=bool(o["mse"]), bias=module.bias,
+        )
+        self.layer_stats[name] = stats
+        return qw
+
+    def end_layer(self, ctx: LayerContext) -> None:
+        if self._hessians:
+            warnings.warn(f"GPTQ: discarded unused Hessians for {sorted(self._hessians)}")
+        self._hessians.clear()
+
+    def format_extra(self) -> dict:
+        o = self.options
+        return {"desc_act": bool(o["desc_act"]), "static_groups": bool(o["static_groups"]),
+                "true_sequential": bool(o["true_sequential"]), "damp_percent": float(o["damp_percent"])}
