@@ -1,0 +1,189 @@
+"""GPTQ v1 layout (checkpoint_format "gptq"), as AutoGPTQ/GPTQModel write it and vLLM reads it.
+
+    qweight int32 [K*b/32, N]   codes packed along the input dim (dense LSB-first; 3-bit spans words)
+    qzeros  int32 [G, N*b/32]   zero - 1 per value, packed along the output dim
+    scales  fp16  [G, N]
+    g_idx   int32 [K]           group of each input column (a permutation map with dynamic act-order)
+
+v1's "zero - 1" cannot hold an asymmetric zero of 0; the stored field wraps to all ones
+((0 - 1) & mask), which per-value v1 decoders ((field + 1) & mask: AutoGPTQ, vLLM) read back as 0.
+GPTQModel instead converts v1 to v2 by adding 0x11111111 to the whole word, so there the wrap
+carries into the next value's zero; `pack` warns when it writes such a zero.
+"""
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections import Counter
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.formats import bitpack, checks
+from quantkit.formats.spec import LinearSpec
+from quantkit.qtensor import QuantizedWeight
+
+NAME = "gptq"
+SUPPORTED_BITS = (2, 3, 4, 8)
+_DEFAULTS = {"true_sequential": True, "damp_percent": 0.01}
+
+
+def _check_spec(spec: LinearSpec) -> None:
+    if spec.bits not in SUPPORTED_BITS:
+        raise QuantkitError(f"gptq stores {SUPPORTED_BITS}-bit weights, not {spec.bits}-bit")
+    for what, n in (("in_features", spec.in_features), ("out_features", spec.out_features)):
+        if n * spec.bits % 32:
+            raise QuantkitError(f"gptq {spec.bits}-bit needs {what} ({n}) to fill whole int32 words "
+                                f"(a multiple of {32 // math.gcd(32, spec.bits)})")
+
+
+def packed_shapes(spec: LinearSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    _check_spec(spec)
+    k, n, b, g = spec.in_features, spec.out_features, spec.bits, spec.n_groups
+    return {
+        "qweight": ((k * b // 32, n), torch.int32),
+        "qzeros": ((g, n * b // 32), torch.int32),
+        "scales": ((g, n), torch.float16),
+        "g_idx": ((k,), torch.int32),
+    }
+
+
+def default_tensors(spec: LinearSpec) -> dict[str, torch.Tensor]:
+    """Tensors a checkpoint may omit: old v1 files without act-order carry no g_idx."""
+    return {} if spec.act_order == "dynamic" else {"g_idx": spec.trivial_g_idx()}
+
+
+def pack(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    spec = checks.quantized_weight(qw, NAME)
+    _check_spec(spec)
+    if not spec.sym and bool((qw.zeros == 0).any()):
+        warnings.warn("gptq v1: an asymmetric zero of 0 is stored as (0-1)&mask; AutoGPTQ/vLLM read it "
+                      "back exactly, GPTQModel's whole-word v1->v2 add carries into the next zero",
+                      stacklevel=2)
+    stored_zeros = (qw.zeros.t().to(torch.int64) - 1) & spec.max_code
+    return {
+        "qweight": bitpack.pack(qw.qweight.t(), spec.bits, dim=0),
+        "qzeros": bitpack.pack(stored_zeros, spec.bits, dim=1),
+        "scales": checks.fp16_scales(qw.scales.t().contiguous(), NAME),
+        "g_idx": qw.g_idx.to(torch.int32).contiguous(),
+    }
+
+
+def unpack(tensors: dict[str, torch.Tensor], spec: LinearSpec) -> QuantizedWeight:
+    shapes = packed_shapes(spec)
+    k, n, b = spec.in_features, spec.out_features, spec.bits
+    qweight = checks.tensor(tensors, "qweight", shapes["qweight"][0], (torch.int32,), NAME)
+    qzeros = checks.tensor(tensors, "qzeros", shapes["qzeros"][0], (torch.int32,), NAME)
+    scales = checks.tensor(tensors, "scales", shapes["scales"][0], checks.FLOAT_DTYPES, NAME)
+    if "g_idx" in tensors:
+        g = checks.tensor(tensors, "g_idx", shapes["g_idx"][0], checks.INDEX_DTYPES, NAME)
+    elif spec.act_order == "dynamic":
+        raise QuantkitError("gptq: missing tensor 'g_idx', required with desc_act and no static_groups")
+    else:
+        g = spec.trivial_g_idx()
+    g = checks.g_idx(g, spec, NAME)
+    codes = bitpack.unpack(qweight.cpu(), b, k, dim=0).t().contiguous()
+    zeros = (bitpack.unpack(qzeros.cpu(), b, n, dim=1).to(torch.int32) + 1) & spec.max_code
+    return QuantizedWeight(
+        qweight=codes,
+        scales=scales.cpu().float().t().contiguous(),
+        zeros=zeros.t().contiguous(),
+        g_idx=g,
+        bits=b,
+        group_size=spec.group_size,
+        sym=spec.sym,
+        act_order=spec.act_order,
+    )
+
+
+# ---------------------------------------------------------------- config.json
+
+def _act_order_keys(act_order: str) -> dict:
+    return {"desc_act": act_order != "none", "static_groups": act_order == "static"}
+
+
+def quantization_config(spec_by_module: dict[str, LinearSpec], ignore: list[str], extra: dict) -> dict:
+    """GPTQ config; modules whose scheme differs from the commonest one, and ignored modules,
+    become GPTQModel `dynamic` rules ("+:^name$" overrides, "-:^name$" skips)."""
+    if not spec_by_module:
+        raise QuantkitError("gptq: no quantized modules to describe")
+    for name, spec in spec_by_module.items():
+        _check_spec(spec)
+    base = Counter(s.scheme() for s in spec_by_module.values()).most_common(1)[0][0]
+    bits, group_size, sym, act_order = base
+    keys = _act_order_keys(act_order)
+    extra = dict(extra or {})
+    for key in ("desc_act", "static_groups"):
+        if key in extra and bool(extra[key]) != keys[key] and not (key == "static_groups" and act_order == "none"):
+            raise QuantkitError(f"gptq: extra {key}={extra[key]} contradicts act-order {act_order!r}")
+    if act_order == "none":
+        keys["static_groups"] = bool(extra.get("static_groups", False))
+    dynamic = dict(extra.pop("dynamic", None) or {})
+    for name, spec in spec_by_module.items():
+        if spec.scheme() != base:
+            dynamic[f"+:^{re.escape(name)}$"] = {"bits": spec.bits, "group_size": spec.group_size,
+                                                 "sym": spec.sym, **_act_order_keys(spec.act_order)}
+    for name in ignore:
+        if not _is_lm_head(name) and name not in spec_by_module:
+            dynamic[f"-:^{re.escape(name)}$"] = {}
+    cfg = {**_DEFAULTS, **extra}
+    cfg.update(quant_method="gptq", bits=bits, group_size=group_size, sym=sym, checkpoint_format="gptq",
+               lm_head=any(_is_lm_head(m) for m in spec_by_module), **keys)
+    if dynamic:
+        cfg["dynamic"] = dynamic
+    return cfg
+
+
+def _is_lm_head(name: str) -> bool:
+    return name == "lm_head" or name.endswith(".lm_head")
+
+
+def _dynamic_override(dynamic: dict, name: str):
+    """GPTQModel's dynamic_get: first matching rule wins; "-:" skips, "+:" (or bare) overrides."""
+    for pattern, overrides in dynamic.items():
+        if pattern.startswith("-:"):
+            if re.match(pattern[2:], name):
+                return False
+        elif re.match(pattern[2:] if pattern.startswith("+:") else pattern, name):
+            return overrides or {}
+    return None
+
+
+def parse_quantization_config(qcfg: dict, linear_names: list[str],
+                              linear_shapes: dict[str, tuple[int, int]]) -> dict[str, LinearSpec]:
+    method = str(qcfg.get("quant_method", "")).lower()
+    if method != "gptq":
+        raise QuantkitError(f"gptq: quant_method is {qcfg.get('quant_method')!r}, expected 'gptq'")
+    fmt = str(qcfg.get("checkpoint_format", qcfg.get("format", "gptq")) or "gptq").lower()
+    if fmt != "gptq":
+        raise QuantkitError(f"gptq: checkpoint_format {fmt!r} is not supported (only 'gptq', i.e. v1)")
+
+    for key in ("bits", "group_size"):
+        if not isinstance(qcfg.get(key), int) or isinstance(qcfg.get(key), bool):
+            raise QuantkitError(f"gptq: quantization_config needs an integer {key!r}, got {qcfg.get(key)!r}")
+
+    def spec_for(name: str, o: dict) -> LinearSpec:
+        bits, gs = int(o.get("bits", qcfg["bits"])), int(o.get("group_size", qcfg["group_size"]))
+        desc = bool(o.get("desc_act", qcfg.get("desc_act", False)))
+        static = bool(o.get("static_groups", qcfg.get("static_groups", False)))
+        out_f, in_f = linear_shapes[name]
+        spec = LinearSpec(out_features=out_f, in_features=in_f, bits=bits, group_size=gs,
+                          sym=bool(o.get("sym", qcfg.get("sym", True))),
+                          act_order="none" if not desc else ("static" if static else "dynamic"))
+        _check_spec(spec)
+        return spec
+
+    dynamic = qcfg.get("dynamic") or {}
+    if not isinstance(dynamic, dict):
+        raise QuantkitError("gptq: 'dynamic' must be a mapping of module regex to overrides")
+    skip = list(qcfg.get("modules_to_not_convert") or [])
+    out: dict[str, LinearSpec] = {}
+    for name in linear_names:
+        override = _dynamic_override(dynamic, name)
+        if override is False or any(s == name or s in name for s in skip):
+            continue
+        if _is_lm_head(name) and not qcfg.get("lm_head", False) and override is None:
+            continue
+        out[name] = spec_for(name, override or {})
+    return out

@@ -1,0 +1,196 @@
+"""QuantLinear: buffers named as in checkpoints, the reference oracle, and the packed CPU kernels.
+
+Tolerance for the cpu backend: it runs PyTorch's int4/int8 kernels in bf16 (their only vectorised
+path), so scales, the tinygemm zero term and the output are rounded to bf16 (unit roundoff
+2**-9 ~ 2e-3); the reference in bf16 rounds the dequantized weight and output the same way. Two
+such results differ by a few unit roundoffs in relative Frobenius norm (measured ~3e-3), so 1e-2
+is tight enough that any layout, permutation or zero-convention bug (errors of order 1) fails.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.formats import LinearSpec, get_format
+from quantkit.quantizers.grid import rtn_quantize
+from quantkit.runtime import QuantLinear
+from quantkit.runtime import backends
+
+REL_TOL = 1e-2
+
+
+def make_qw(n, k, bits, gs, sym, seed=0, dynamic=False):
+    torch.manual_seed(seed)
+    qw = rtn_quantize(torch.randn(n, k) * 0.05, bits, gs, sym, bias=torch.randn(n) * 0.1)
+    if dynamic:
+        g = k if gs == -1 else gs
+        perm = torch.randperm(k)
+        qw.g_idx = torch.empty(k, dtype=torch.int32)
+        qw.g_idx[perm] = (torch.arange(k) // g).to(torch.int32)
+        qw.act_order = "dynamic"
+    return qw
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def build(qw, fmt, backend, dtype=torch.bfloat16):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return QuantLinear.from_quantized(qw, fmt, dtype=dtype, backend=backend)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_notices():
+    backends.reset_notices()
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors", "awq"])
+def test_reference_backend_is_dequantize_then_linear(fmt):
+    qw = make_qw(128, 256, 4, 64, False, seed=1)
+    m = build(qw, fmt, "reference", dtype=torch.float32)
+    x = torch.randn(2, 7, 256)
+    assert torch.equal(m(x), F.linear(x, qw.dequantize(torch.float32)) + qw.bias)
+    assert m.active_backend == "reference"
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_cpu_int4_matches_reference(gs, sym, dynamic):
+    qw = make_qw(192, 384, 4, gs, sym, seed=gs + sym, dynamic=dynamic)
+    m = build(qw, "gptq", "cpu")
+    x = torch.randn(3, 5, 384, dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the kernel path must not fall back
+        y = m(x)
+    assert m._impl.kernel is not None and y.dtype == torch.bfloat16 and y.shape == (3, 5, 192)
+    m.set_backend("reference")
+    assert rel_err(y, m(x)) < REL_TOL
+    assert rel_err(y, F.linear(x.float(), qw.dequantize(), qw.bias)) < REL_TOL
+
+
+@pytest.mark.parametrize("fmt,k", [("compressed-tensors", 576), ("awq", 256), ("gptq", 1024)])
+def test_cpu_int4_per_channel_and_other_formats(fmt, k):
+    """Per-channel (and groups over 256) run as the kernel's largest dividing group, scales repeated."""
+    qw = make_qw(96, k, 4, -1, False, seed=k)
+    m = build(qw, fmt, "auto")
+    x = torch.randn(4, k, dtype=torch.bfloat16)
+    y = m(x)
+    assert m.active_backend == "cpu" and m._impl.kernel is not None
+    assert rel_err(y, F.linear(x.float(), qw.dequantize(), qw.bias)) < REL_TOL
+
+
+def test_cpu_int8_per_channel_kernel():
+    qw = make_qw(160, 256, 8, -1, True, seed=8)
+    m = build(qw, "compressed-tensors", "cpu")
+    x = torch.randn(6, 256, dtype=torch.bfloat16)
+    y = m(x)
+    assert m._impl.kernel is not None
+    assert rel_err(y, F.linear(x.float(), qw.dequantize(), qw.bias)) < REL_TOL
+
+
+def test_cpu_output_dtype_follows_input():
+    qw = make_qw(128, 256, 4, 32, True)
+    m = build(qw, "gptq", "cpu")
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(2, 256, dtype=dtype)
+        y = m(x)
+        assert y.dtype == dtype
+        assert rel_err(y, F.linear(x.float(), qw.dequantize(), qw.bias)) < REL_TOL
+    assert m(torch.randn(0, 256)).shape == (0, 128)
+
+
+@pytest.mark.parametrize("bits,gs,sym,n,why", [(3, 64, True, 96, "3-bit"), (8, -1, False, 96, "symmetric"),
+                                               (8, 64, True, 96, "per-channel"), (4, 32, True, 104, "16"),
+                                               (2, -1, False, 96, "2-bit")])
+def test_cpu_fallbacks_warn_once_and_stay_correct(bits, gs, sym, n, why):
+    qw = make_qw(n, 256, bits, gs, sym, seed=bits)
+    m = build(qw, "gptq", "cpu")
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match=why):
+        y = m(x)
+    assert m._impl.kernel is None
+    assert torch.equal(y, F.linear(x, qw.dequantize(torch.bfloat16)) + qw.bias.to(torch.bfloat16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second layer with the same reason stays quiet
+        build(qw, "gptq", "cpu")(x)
+
+
+def test_triton_is_a_noticed_reference_for_now():
+    qw = make_qw(96, 128, 4, 32, True)
+    m = build(qw, "gptq", "triton", dtype=torch.float32)
+    x = torch.randn(2, 128)
+    with pytest.warns(UserWarning, match="triton"):
+        y = m(x)
+    assert torch.equal(y, F.linear(x, qw.dequantize()) + qw.bias)
+
+
+class Block(nn.Module):
+    def __init__(self, spec, fmt, bias):
+        super().__init__()
+        self.q_proj = QuantLinear(spec, fmt, bias=bias, dtype=torch.float32, backend="cpu")
+
+
+@pytest.mark.parametrize("assign", [False, True])
+@pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors", "awq"])
+def test_load_state_dict_fills_buffers_named_as_in_checkpoint(fmt, assign):
+    qw = make_qw(128, 256, 4, 64, False, seed=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        packed = get_format(fmt).pack(qw)
+    ckpt = {f"q_proj.{k}": v for k, v in packed.items()}
+    ckpt["q_proj.bias"] = qw.bias.clone()
+    block = Block(LinearSpec.of(qw), fmt, bias=True)
+    assert set(block.state_dict()) == set(ckpt)
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    other = build(make_qw(128, 256, 4, 64, False, seed=5), fmt, "cpu")
+    block.load_state_dict({f"q_proj.{k}": v for k, v in other.state_dict().items()})
+    y_other = block.q_proj(x)  # prepared on the first weights ...
+    block.load_state_dict(ckpt, strict=True, assign=assign)  # ... and rebuilt after the next load
+    y = block.q_proj(x)
+    assert rel_err(y, F.linear(x.float(), qw.dequantize(), qw.bias)) < REL_TOL
+    assert rel_err(y_other, y) > 0.1
+    back = block.q_proj.quantized_weight()
+    assert torch.equal(back.dequantize(), qw.dequantize()) and torch.equal(back.bias, qw.bias)
+
+
+def test_optional_checkpoint_tensors_have_defaults():
+    """An old gptq file without g_idx (no act-order) still loads through a non-strict state dict."""
+    qw = make_qw(128, 256, 4, 64, True, seed=9)
+    packed = get_format("gptq").pack(qw)
+    del packed["g_idx"]
+    m = QuantLinear(LinearSpec.of(qw), "gptq", bias=False, dtype=torch.float32, backend="reference")
+    missing = m.load_state_dict(packed, strict=False).missing_keys
+    assert missing == ["g_idx"]
+    x = torch.randn(2, 256)
+    assert torch.equal(m(x), F.linear(x, qw.dequantize()))
+
+
+def test_backend_selection():
+    qw = make_qw(96, 128, 4, 32, True)
+    m = build(qw, "gptq", "auto")
+    m(torch.randn(1, 128, dtype=torch.bfloat16))
+    assert m.active_backend == "cpu"
+    m.set_backend("reference")
+    assert m.active_backend is None  # rebuilt lazily: buffers may still be unloaded
+    m(torch.randn(1, 128))
+    assert m.active_backend == "reference"
+    scales = m.scales.clone()
+    m.to(torch.bfloat16)  # casts reach the bias, never the packed checkpoint tensors
+    assert m.active_backend is None
+    assert m.scales.dtype == torch.float16 and torch.equal(m.scales, scales)
+    assert m.bias.dtype == torch.bfloat16 and list(m.state_dict())[:4] == ["qweight", "qzeros", "scales", "g_idx"]
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    assert torch.equal(copy.deepcopy(m)(x), m(x))
+    with pytest.raises(QuantkitError, match="backend"):
+        m.set_backend("cuda-magic")
+    with pytest.raises(QuantkitError, match="features"):
+        m(torch.randn(2, 64))
