@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""Benchmark quantkit's Triton GEMMs against fp16 torch.matmul and PyTorch's int4 kernel (GPU only).
+
+For each M and (K x N) shape it times, with ``triton.testing.do_bench``:
+
+* ``dequant_gemm`` W4A16 (GPTQ layout, asymmetric, group 128 by default),
+* ``torch.matmul`` on the same weight in fp16 (the baseline),
+* ``torch.ops.aten._weight_int4pack_mm`` (tinygemm, bf16 activations) after
+  ``_convert_weight_to_int4pack``,
+* W8A8 (``per_token_quant_int8`` + ``int8_gemm``, activation quantization included),
+
+and prints time, TFLOP/s, effective GB/s (bytes the W4A16 call must move: packed weight, scales,
+zeros, x, y) and speedups. The weight-only int4 ceiling in the memory-bound regime is about
+16 / 4.125 = 3.9x over fp16 (group 128, fp16 scales). ``--json PATH`` also writes the rows.
+
+Without CUDA it refuses with one line and exit code 2: interpreter timings would mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+
+DEFAULT_MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024]
+DEFAULT_SHAPES = ["4096x4096", "8192x8192", "4096x14336", "14336x4096"]  # K x N
+
+
+def _refuse(msg: str) -> int:
+    print(f"bench_kernels.py: {msg}", file=sys.stderr)
+    return 2
+
+
+def _import_kernels():
+    """``quantkit.kernels`` when installed, else from this source tree under the same name."""
+    try:
+        return importlib.import_module("quantkit.kernels")
+    except ImportError:
+        pass
+    root = pathlib.Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))
+    import quantkit  # noqa: F401
+
+    spec = importlib.util.spec_from_file_location(
+        "quantkit.kernels", root / "kernels" / "__init__.py",
+        submodule_search_locations=[str(root / "kernels")],
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["quantkit.kernels"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _parse_shape(s: str):
+    k, n = s.lower().split("x")
+    return int(k), int(n)
+
+
+def _bench(fn, warmup, rep):
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup, rep=rep)  # milliseconds
+
+
+def _int4pack_setup(torch, k, n, group_size, device):
+    """tinygemm operands (random: only the timing matters). Returns a callable factory or None."""
+    try:
+        w_u8 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device)
+        packed = torch.ops.aten._convert_weight_to_int4pack(w_u8, 8)
+        sz = torch.randn(k // group_size, n, 2, dtype=torch.bfloat16, device=device) * 0.01
+        return lambda x_bf16: torch.ops.aten._weight_int4pack_mm(x_bf16, packed, group_size, sz)
+    except Exception as exc:  # op missing / signature changed in this torch build
+        print(f"  (torch int4pack unavailable: {type(exc).__name__}: {str(exc).splitlines()[0]})", file=sys.stderr)
+        return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)), help="comma-separated M values")
+    ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="comma-separated KxN shapes")
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--bits", type=int, default=4, choices=[4, 8])
+    ap.add_argument("--sym", action="store_true", help="symmetric weights (no qzeros)")
+    ap.add_argument("--warmup", type=int, default=25)
+    ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = ap.parse_args(argv)
+
+    if os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on"):
+        return _refuse("TRITON_INTERPRET is set; interpreter timings are meaningless, unset it")
+    try:
+        import torch
+    except ImportError:
+        return _refuse("torch is not installed")
+    if not torch.cuda.is_available():
+        return _refuse("needs a CUDA GPU and none is available; nothing was benchmarked")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return _refuse("needs triton, which is not installed")
+
+    K = _import_kernels()
+    R = importlib.import_module("quantkit.kernels.reference")
+    dev = "cuda"
+    ms = [int(v) for v in args.ms.split(",") if v]
+    shapes = [_parse_shape(s) for s in args.shapes.split(",") if s]
+    bits, gsz = args.bits, args.group_size
+    torch.manual_seed(0)
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+          f"W{bits}A16 group {gsz} {'sym' if args.sym else 'asym'}")
+
+    rows = []
+    hdr = (f"{'K x N':>12} {'M':>5} | {'wq ms':>8} {'TFLOP/s':>8} {'GB/s':>7} | {'fp16 ms':>8} "
+           f"{'x fp16':>7} | {'int4pk ms':>9} {'x int4pk':>8} | {'w8a8 ms':>8} {'w8a8 x':>7} | {'relerr':>8}")
+    print(hdr)
+    print("-" * len(hdr))
+    for k, n in shapes:
+        g = k // gsz
+        pf = 32 // bits
+        codes = torch.randint(0, 2**bits, (k, n), dtype=torch.int32, device=dev)
+        qweight = R.pack_gptq_qweight(codes, bits)
+        del codes
+        scales = (torch.rand(g, n, device=dev) * 0.01 + 1e-3).half()
+        qzeros = None if args.sym else R.pack_gptq_qzeros(
+            torch.randint(0, 2**bits, (g, n), dtype=torch.int32, device=dev), bits)
+        w_fp16 = R.dequantize_gptq(qweight, scales, qzeros, None, bits, gsz).half()
+        w8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=dev)
+        w8_scale = torch.rand(n, device=dev) * 0.01 + 1e-3
+        int4mm = _int4pack_setup(torch, k, n, gsz, dev)
+        wbytes = k * n * bits / 8 + g * n * 2 + (0 if qzeros is None else g * (n // pf) * 4)
+        for m in ms:
+            x = torch.randn(m, k, dtype=torch.float16, device=dev)
+            y = K.dequant_gemm(x, qweight, scales, qzeros, None, bits, gsz)
+            ref = x.float() @ w_fp16.float()
+            relerr = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+            t_q = _bench(lambda: K.dequant_gemm(x, qweight, scales, qzeros, None, bits, gsz),
+                         args.warmup, args.rep)
+            t_h = _bench(lambda: torch.matmul(x, w_fp16), args.warmup, args.rep)
+            t_i4 = None
+            if int4mm is not None:
+                xb = x.to(torch.bfloat16)
+                try:
+                    t_i4 = _bench(lambda: int4mm(xb), args.warmup, args.rep)
+                except Exception as exc:
+                    print(f"  (int4pack_mm failed at M={m}: {str(exc).splitlines()[0]})", file=sys.stderr)
+            t_8 = _bench(lambda: K.w8a8_linear(x, w8, w8_scale), args.warmup, args.rep)
+            flops = 2.0 * m * n * k
+            gbs = (wbytes + m * k * 2 + m * n * 2) / (t_q * 1e-3) / 1e9
+            row = dict(K=k, N=n, M=m, bits=bits, group_size=gsz, sym=args.sym,
+                       wq_ms=t_q, wq_tflops=flops / (t_q * 1e-3) / 1e12, wq_gbs=gbs,
+                       fp16_ms=t_h, speedup_vs_fp16=t_h / t_q,
+                       int4pack_ms=t_i4, speedup_vs_int4pack=(t_i4 / t_q) if t_i4 else None,
+                       w8a8_ms=t_8, w8a8_speedup_vs_fp16=t_h / t_8, max_rel_err=relerr)
+            rows.append(row)
+            i4 = f"{t_i4:9.4f} {t_i4 / t_q:7.2f}x" if t_i4 else f"{'n/a':>9} {'n/a':>8}"
+            print(f"{f'{k}x{n}':>12} {m:>5} | {t_q:8.4f} {row['wq_tflops']:8.2f} {gbs:7.0f} | "
+                  f"{t_h:8.4f} {t_h / t_q:6.2f}x | {i4} | {t_8:8.4f} {t_h / t_8:6.2f}x | {relerr:8.1e}")
+        del qweight, scales, qzeros, w_fp16, w8, int4mm
+        torch.cuda.empty_cache()
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=triton.__version__, rows=rows), f, indent=2)
+        print(f"# wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
