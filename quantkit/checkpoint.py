@@ -100,6 +100,7 @@ def write_checkpoint(
             except (ValueError, OSError):
                 pass
         (stage / "README.md").write_text(model_card(base_model, format_name, method, qcfg, results, metrics))
+        _normal_permissions(stage)
         _replace_dir(stage, output)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
@@ -125,13 +126,23 @@ def _save_sharded(state: dict[str, torch.Tensor], folder: Path, max_shard_size) 
 
 
 def _save_config(model, folder: Path, qcfg: dict, save_dtype: torch.dtype) -> None:
-    config = model.config.to_dict()
-    config.pop("_name_or_path", None)
+    config = model.config.to_diff_dict()
+    for key in ("_name_or_path", "source_dtype", "transformers_version"):
+        config.pop(key, None)
     config["quantization_config"] = qcfg
     config["dtype"] = str(save_dtype).replace("torch.", "")
     config.pop("torch_dtype", None)
     config["architectures"] = config.get("architectures") or [type(model).__name__]
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _normal_permissions(folder: Path) -> None:
+    """Staged files may be created private (0600); a checkpoint is meant to be shared."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in folder.iterdir():
+        f.chmod(0o666 & ~umask)
 
 
 def _replace_dir(stage: Path, output: Path) -> None:

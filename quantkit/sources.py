@@ -36,9 +36,16 @@ def resolve_model_path(model: str) -> str:
     return model
 
 
+def stored_dtype(path: str, trust_remote_code: bool = False) -> torch.dtype:
+    """The dtype a model folder declares in its config.json, before any loading casts it."""
+    from transformers import AutoConfig
+
+    return source_dtype(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+
+
 def source_dtype(config) -> torch.dtype:
     """The dtype the source checkpoint was stored in (what unquantized tensors are written back as)."""
-    d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    d = getattr(config, "source_dtype", None) or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(d, str):
         d = DTYPES.get(d, torch.float16)
     return d if isinstance(d, torch.dtype) and d.is_floating_point else torch.float16
@@ -76,6 +83,7 @@ def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, 
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise QuantkitError(f"could not load model {path}: {first}") from None
     hf_model.eval()
+    hf_model.config.source_dtype = str(stored_dtype(path, trust_remote_code)).replace("torch.", "")
     return hf_model, tokenizer, _card_name(model, path)
 
 
@@ -107,6 +115,7 @@ def _load_gguf(path: Path, dtype):
     plain.load_state_dict(loaded.state_dict(), strict=False)
     plain.tie_weights()
     del loaded
+    plain.config.source_dtype = "bfloat16"
     if dtype is not None:
         plain.to(dtype)
     plain.eval()

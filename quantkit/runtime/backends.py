@@ -7,7 +7,8 @@ checkpoint only through ``format.unpack``; it never adds bias (QuantLinear does)
   matvec: int4 1.2 ms in bf16 vs 24 ms fp16 and 61 ms fp32; int8 1.2 ms bf16 vs 30/43 ms), so
   activations are cast to bf16 and the result back to the input dtype. Shapes the kernels cannot
   take fall back to a cached dequantized weight, with one notice per reason.
-- triton: not written yet; uses reference with a one-time notice.
+- triton: quantkit.kernels' dequant-GEMM (split-K for decode, tiled tl.dot for prefill) on a
+  one-time repack to the gptq layout; falls back to a cached dequantized weight where Triton cannot run.
 """
 from __future__ import annotations
 
@@ -158,12 +159,50 @@ class CpuBackend:
         return self.kernel(x2).to(x.dtype).reshape(*x.shape[:-1], self.n)
 
 
-class TritonBackend(ReferenceBackend):
+class TritonBackend:
+    """quantkit.kernels' dequant-GEMM on the gptq layout. Any format is repacked to gptq once here
+    (formats.gptq.pack, the same packer the writer uses), with act-order rows sorted by group so
+    the kernel always sees contiguous groups; the activation columns are permuted per call."""
+
     name = "triton"
 
     def __init__(self, qw: QuantizedWeight, device: torch.device):
-        notice("quantkit triton backend is not implemented yet; using the reference backend")
-        super().__init__(qw, device)
+        from quantkit import kernels
+        from quantkit.formats import gptq
+
+        self.n, self.k = qw.qweight.shape
+        self.fallback = None
+        reason = None
+        if not kernels.triton_available():
+            reason = "triton cannot run here (no CUDA device and TRITON_INTERPRET unset)"
+        elif qw.bits not in (4, 8):
+            reason = f"no Triton kernel for {qw.bits}-bit"
+        else:
+            try:
+                perm, codes, gs = _contiguous_groups(qw)
+            except ValueError as e:
+                reason = f"Triton kernel unusable ({e})"
+        if reason is not None:
+            notice(f"quantkit triton backend: {reason}; using a cached dequantized weight")
+            self.fallback = DequantizedBackend(qw, device)
+            return
+        n_groups = self.k // gs
+        contiguous = QuantizedWeight(qweight=codes, scales=qw.scales, zeros=qw.zeros,
+                                     g_idx=torch.arange(self.k, dtype=torch.int32) // gs, bits=qw.bits,
+                                     group_size=-1 if n_groups == 1 else gs, sym=qw.sym)
+        packed = gptq.pack(contiguous)
+        self.qweight = packed["qweight"].to(device)
+        self.qzeros = packed["qzeros"].to(device)
+        self.scales = packed["scales"].to(device)
+        self.perm = None if perm is None else perm.to(device)
+        self.bits, self.group_size = qw.bits, gs
+        self.kernel = kernels.dequant_gemm
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fallback is not None:
+            return self.fallback(x)
+        return self.kernel(x, self.qweight, self.scales.to(x.dtype), self.qzeros, None, self.bits, self.group_size,
+                           perm=self.perm)
 
 
 _CLASSES = {"reference": ReferenceBackend, "cpu": CpuBackend, "triton": TritonBackend}
