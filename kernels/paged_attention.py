@@ -39,7 +39,18 @@ except ImportError:  # pragma: no cover
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
-__all__ = ["paged_attention_decode", "paged_attention_decode_reference", "gather_kv", "triton_decode_available"]
+__all__ = ["paged_attention_decode", "paged_attention_decode_reference", "gather_kv", "index_blocks",
+           "triton_decode_available"]
+
+
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def index_blocks(cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``cache[ids]``; fp8 goes through a uint8 view (indexing kernels do not cover fp8 everywhere)."""
+    if cache.dtype in _FP8:
+        return cache.view(torch.uint8)[ids].view(cache.dtype)
+    return cache[ids]
 
 
 def gather_kv(cache: torch.Tensor, scale: Optional[torch.Tensor], block_table: torch.Tensor, length: int,
@@ -47,7 +58,7 @@ def gather_kv(cache: torch.Tensor, scale: Optional[torch.Tensor], block_table: t
     """One sequence's first ``length`` cached vectors, [length, num_kv_heads, head_dim] in ``dtype``."""
     n_blocks = (length + cache.shape[1] - 1) // cache.shape[1]
     ids = block_table[:n_blocks].long()
-    x = cache[ids].flatten(0, 1)[:length]
+    x = index_blocks(cache, ids).flatten(0, 1)[:length]
     if scale is None:
         return x.to(dtype)
     s = scale[ids].flatten(0, 1)[:length]
@@ -68,7 +79,7 @@ def paged_attention_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
     ids = block_tables[:, :n_blocks].long().clamp_min(0)  # padding entries may be -1: never unmasked
 
     def dense(cache, sc):
-        x = cache[ids].flatten(1, 2)  # [B, n_blocks*bs, kvh, D]
+        x = index_blocks(cache, ids).flatten(1, 2)  # [B, n_blocks*bs, kvh, D]
         x = x.float()
         if sc is not None:
             x = x * sc[ids].flatten(1, 2).unsqueeze(-1).float()

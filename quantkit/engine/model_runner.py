@@ -1,0 +1,258 @@
+"""Runs a Llama-family transformers model (Llama, Mistral, Qwen2, Qwen3; GQA) over paged KV.
+
+The model's own modules provide the weights: embedding, the q/k/v/o and MLP linears (plain
+``nn.Linear`` or quantkit ``QuantLinear`` on any backend: they are only called), the norms'
+weights and the LM head. Everything between them is here: RMSNorm, rotary embeddings, K/V
+writes into the paged pool and attention.
+
+A step packs the new tokens of all its sequences into one [N, hidden] batch, so every linear runs
+once per layer for the whole batch.
+
+* Prefill: each sequence's uncached tokens, with a causal mask. Without a cached prefix it
+  attends over its fresh K/V; with one (prefix-cache hit) it attends over the K/V gathered from
+  its blocks (the cached prefix plus the new tokens, written first) with the causal mask offset by
+  the prefix length.
+* Decode: one token per sequence, paged attention over its block table: the Triton kernel on
+  GPU, the PyTorch reference (gather by block table, masked softmax) on CPU.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.engine.kv_cache import KVCache, bytes_per_block, parse_bytes, resolve_kv_dtype
+from quantkit.engine.rotary import RotaryEmbedding
+from quantkit.engine.sequence import Sequence
+from quantkit.errors import QuantkitError
+
+CPU_DEFAULT_FRACTION = 0.25
+CPU_DEFAULT_CAP = 4 << 30
+GPU_DEFAULT_FRACTION = 0.9
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm exactly as transformers' Llama/Qwen: normalise in fp32, cast back, scale."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def _norm_eps(module, default: float) -> float:
+    for attr in ("variance_epsilon", "eps"):
+        if hasattr(module, attr):
+            return float(getattr(module, attr))
+    return default
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+@dataclass
+class AttentionMetadata:
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [N] long, -1: do not write
+    has_skipped_slots: bool = False
+    # prefill: per sequence
+    query_starts: Optional[list[int]] = None  # offset of the sequence's first new token in the batch
+    query_lens: Optional[list[int]] = None
+    context_lens: Optional[list[int]] = None  # tokens attended to (cached prefix + new)
+    block_tables: Optional[list[torch.Tensor]] = None
+    # decode
+    block_tables_t: Optional[torch.Tensor] = None  # [B, max_blocks] int32
+    context_lens_t: Optional[torch.Tensor] = None  # [B] int32
+
+
+class ModelRunner:
+    def __init__(self, model, block_size: int = 16, kv_cache_dtype: Union[str, torch.dtype, None] = "auto",
+                 num_blocks: Optional[int] = None, kv_cache_memory: Union[int, str, None] = None,
+                 kv_cache_fraction: Optional[float] = None, max_num_seqs: int = 64,
+                 attention_backend: str = "auto"):
+        self.model = model
+        cfg = model.config
+        self.config = cfg
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if inner is None or layers is None or not hasattr(inner, "embed_tokens") or not hasattr(inner, "norm"):
+            raise QuantkitError(f"the engine runs Llama-family models (Llama, Mistral, Qwen2, Qwen3); "
+                                f"{type(model).__name__} has no model.layers / embed_tokens / norm")
+        for layer in layers:
+            attn = getattr(layer, "self_attn", None)
+            if attn is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) \
+                    or not hasattr(layer, "mlp"):
+                raise QuantkitError(f"{type(model).__name__}: decoder layers need self_attn.q/k/v/o_proj and mlp; "
+                                    "the engine runs Llama-family models only")
+        self.embed = inner.embed_tokens
+        self.layers = list(layers)
+        self.final_norm = inner.norm
+        self.lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else model.lm_head
+        self.num_layers = len(self.layers)
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        self.scale = self.head_dim ** -0.5
+        self.dtype = self.embed.weight.dtype
+        self.device = self.embed.weight.device
+        self.block_size = block_size
+        self.rotary = RotaryEmbedding.from_config(cfg, self.device)
+        uses_window = getattr(cfg, "use_sliding_window", cfg.model_type == "mistral")
+        self.sliding_window = getattr(cfg, "sliding_window", None) if uses_window else None  # not implemented:
+        # requests are kept within the window, where full causal attention is exactly the same
+
+        kv_dtype, quantized = resolve_kv_dtype(kv_cache_dtype, self.dtype)
+        self.bytes_per_block = bytes_per_block(self.num_layers, block_size, self.num_kv_heads, self.head_dim,
+                                               kv_dtype, quantized)
+        if num_blocks is None:
+            if kv_cache_memory is not None:
+                budget = parse_bytes(kv_cache_memory)
+                num_blocks = budget // self.bytes_per_block
+            else:
+                cuda = self.device.type == "cuda"
+                frac = kv_cache_fraction
+                if frac is None:
+                    frac = GPU_DEFAULT_FRACTION if cuda else CPU_DEFAULT_FRACTION
+                budget = int(available_memory(self.device) * frac)
+                if not cuda:
+                    budget = min(budget, CPU_DEFAULT_CAP)
+                max_len = int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
+                cap = max_num_seqs * (-(-max_len // block_size))  # never more than every slot at full length
+                num_blocks = min(budget // self.bytes_per_block, cap)
+            if num_blocks < 1:
+                raise QuantkitError(f"the KV cache budget of {budget} bytes holds no block of {self.bytes_per_block} "
+                                    f"bytes ({block_size} tokens); give it more memory")
+        self.num_blocks = int(num_blocks)
+        self.kv_cache = KVCache(self.num_layers, self.num_blocks, block_size, self.num_kv_heads, self.head_dim,
+                                self.dtype, kv_cache_dtype, self.device)
+
+        from quantkit.kernels.paged_attention import paged_attention_decode, triton_decode_available
+
+        self._decode_attention = paged_attention_decode
+        if attention_backend not in ("auto", "torch", "triton"):
+            raise QuantkitError(f"attention_backend must be auto, torch or triton, got {attention_backend!r}")
+        if attention_backend == "auto":
+            self.use_triton = self.device.type == "cuda" and triton_decode_available(self.device)
+        else:
+            self.use_triton = attention_backend == "triton"
+
+    # ------------------------------------------------------------------ batch preparation
+    def _slots(self, seq: Sequence, start: int, end: int, skip_below: int = 0) -> list[int]:
+        bs = self.block_size
+        table = seq.block_table
+        return [table[p // bs] * bs + p % bs if p >= skip_below else -1 for p in range(start, end)]
+
+    def prepare_prefill(self, seqs: list[Sequence]):
+        input_ids, positions, slots = [], [], []
+        starts, lens, ctx, tables = [], [], [], []
+        for seq in seqs:
+            start, n = seq.prefill_start, len(seq)
+            starts.append(len(input_ids))
+            lens.append(n - start)
+            ctx.append(n)
+            input_ids.extend(seq.token_ids[start:])
+            positions.extend(range(start, n))
+            # a token recomputed inside a cached (possibly shared) block is not written back
+            slots.extend(self._slots(seq, start, n, skip_below=seq.num_cached_tokens))
+            tables.append(torch.tensor(seq.block_table, dtype=torch.long, device=self.device))
+        dev = self.device
+        meta = AttentionMetadata(True, torch.tensor(slots, dtype=torch.long, device=dev), min(slots) < 0, starts, lens,
+                                 ctx, tables)
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta)
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        bs = self.block_size
+        input_ids = [seq.last_token for seq in seqs]
+        positions = [len(seq) - 1 for seq in seqs]
+        slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
+        dev = self.device
+        meta = AttentionMetadata(False, torch.tensor(slots, dtype=torch.long, device=dev),
+                                 block_tables_t=torch.tensor(tables, dtype=torch.int32, device=dev),
+                                 context_lens_t=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=dev))
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta)
+
+    # ------------------------------------------------------------------ forward
+    def attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [N, H, D], k/v [N, KVH, D] (already written to the cache) -> [N, H, D]."""
+        kc, vc, ks, vs = self.kv_cache.layer(i)
+        if not meta.is_prefill:
+            return self._decode_attention(q, kc, vc, meta.block_tables_t, meta.context_lens_t, self.scale, ks, vs,
+                                          use_triton=self.use_triton)
+        out = torch.empty_like(q)
+        for s, n, c, table in zip(meta.query_starts, meta.query_lens, meta.context_lens, meta.block_tables):
+            qi = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if n == c:  # nothing cached: attend over the fresh K/V
+                ki, vi = k[s:s + n], v[s:s + n]
+                mask, causal = None, True
+            else:
+                ki, vi = self.kv_cache.gather(i, table, c, q.dtype)
+                pos_q = torch.arange(c - n, c, device=q.device)
+                mask = torch.arange(c, device=q.device)[None, :] <= pos_q[:, None]  # [n, c]
+                causal = False
+            oi = F.scaled_dot_product_attention(qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
+                                                attn_mask=mask, is_causal=causal, scale=self.scale,
+                                                enable_gqa=self.num_heads != self.num_kv_heads)
+            out[s:s + n] = oi[0].transpose(0, 1)
+        return out
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """[N] token ids -> [N, hidden] final-normed hidden states."""
+        N = input_ids.shape[0]
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        x = self.embed(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            residual = x
+            h = rms_norm(x, layer.input_layernorm.weight, _norm_eps(layer.input_layernorm, self.eps))
+            q = attn.q_proj(h).view(N, H, D)
+            k = attn.k_proj(h).view(N, KVH, D)
+            v = attn.v_proj(h).view(N, KVH, D)
+            if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm over head_dim before rope
+                q = rms_norm(q, attn.q_norm.weight, _norm_eps(attn.q_norm, self.eps))
+                k = rms_norm(k, attn.k_norm.weight, _norm_eps(attn.k_norm, self.eps))
+            q, k = self.rotary.apply(q, k, cos, sin)
+            self.kv_cache.store(i, k, v, meta.slot_mapping, meta.has_skipped_slots)
+            o = self.attention(i, q, k, v, meta)
+            x = residual + attn.o_proj(o.reshape(N, H * D))
+            residual = x
+            h = rms_norm(x, layer.post_attention_layernorm.weight, _norm_eps(layer.post_attention_layernorm, self.eps))
+            x = residual + layer.mlp(h)
+        return rms_norm(x, self.final_norm.weight, _norm_eps(self.final_norm, self.eps))
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        """Logits [len(seqs), vocab] for each sequence's next token (fp32)."""
+        input_ids, positions, meta = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+        hidden = self.forward(input_ids, positions, meta)
+        if is_prefill:
+            last = torch.tensor([s + n - 1 for s, n in zip(meta.query_starts, meta.query_lens)], device=self.device)
+            hidden = hidden[last]
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def run_all_logits(self, seqs: list[Sequence]) -> list[torch.Tensor]:
+        """Prefill ``seqs`` (allocated without prefix caching) and return logits at every prompt
+        position, [len(seq), vocab] each, in the LM head's dtype."""
+        input_ids, positions, meta = self.prepare_prefill(seqs)
+        if any(n != c for n, c in zip(meta.query_lens, meta.context_lens)):
+            raise RuntimeError("run_all_logits needs sequences without cached prefix")
+        hidden = self.forward(input_ids, positions, meta)
+        return [self.lm_head(hidden[s:s + n]) for s, n in zip(meta.query_starts, meta.query_lens)]

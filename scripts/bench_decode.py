@@ -1,0 +1,229 @@
+#!/usr/bin/env python
+"""Decode speed of the demo model through quantkit's engine against transformers' ``generate``.
+
+Batch 1, the same prompt and the same number of new tokens (EOS ignored) for every row, one
+timed run each (after a two-token warm-up):
+
+* transformers ``generate`` (greedy) on the unquantized demo model in fp32 and bf16,
+* the engine on the unquantized fp32 model,
+* the engine on RTN int4 and int8 checkpoints of the demo model (made here with
+  ``quantkit.quantize("demo", "rtn", bits=..)`` unless ``--workdir`` already holds them), with
+  the ``cpu`` backend on CPU and ``auto`` (Triton) on GPU.
+
+Decode tokens/s excludes the prefill: for transformers it is ``(N - 1) / (t(N) - t(1))`` (two
+``generate`` calls, N and 1 new tokens), for the engine the time of its decode steps. Ratios
+are printed against both transformers rows.
+
+Then batch 16: the int4 model through the engine with 16 different random prompts submitted at
+once (continuous batching) against the same 16 prompts run one after another (prefix caching off
+for both); output tokens/s of each and the ratio. "identical outputs" counts requests whose greedy
+tokens agree between the two; in bf16 (the int4 checkpoint's activations) a batched matmul
+rounds differently from a single-row one, so near-ties on random prompts can flip (in fp32 they
+all agree).
+
+    python scripts/bench_decode.py                       # CPU (or GPU when present)
+    python scripts/bench_decode.py --device cuda --new-tokens 128 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_prompt(tok, n: int) -> list[int]:
+    text = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+            "combined movable metal type, oil-based ink and a wooden press. Within decades, ")
+    ids = tok(text)["input_ids"]
+    while len(ids) < n:
+        ids = ids + ids
+    return ids[:n]
+
+
+def hf_decode(model, prompt: list[int], n: int) -> dict:
+    import torch
+
+    device = next(model.parameters()).device
+    x = torch.tensor([prompt], device=device)
+    kw = dict(attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=0)
+
+    def timed(k):
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(x, max_new_tokens=k, min_new_tokens=k, **kw)
+        _sync(device)
+        assert out.shape[1] == len(prompt) + k
+        return time.perf_counter() - t0
+
+    timed(2)  # warm-up
+    t1, tn = timed(1), timed(n)
+    return {"decode_tokens_per_s": (n - 1) / max(tn - t1, 1e-9), "tokens_per_s": n / tn}
+
+
+def engine_decode(engine, prompt: list[int], n: int) -> dict:
+    from quantkit.engine import SamplingParams
+
+    engine.generate([prompt[:8]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
+    engine.reset_metrics()
+    t0 = time.perf_counter()
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    assert len(out[0]["token_ids"]) == n
+    m = engine.get_metrics()
+    return {"decode_tokens_per_s": m["decode_tokens_per_s"], "tokens_per_s": n / wall, "ttft_ms": m["ttft_ms"],
+            "tpot_ms": m["tpot_ms"]}
+
+
+def batch_vs_sequential(engine, prompts: list[list[int]], n: int) -> dict:
+    from quantkit.engine import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    engine.reset_metrics()
+    t0 = time.perf_counter()
+    together = engine.generate(prompts, sp)
+    batched = time.perf_counter() - t0
+    m = engine.get_metrics()
+    t0 = time.perf_counter()
+    alone = [engine.generate([p], sp)[0] for p in prompts]
+    sequential = time.perf_counter() - t0
+    total = len(prompts) * n
+    same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(together, alone))
+    return {"batch": len(prompts), "continuous_tokens_per_s": total / batched,
+            "sequential_tokens_per_s": total / sequential, "speedup": sequential / batched,
+            "identical_outputs": f"{same}/{len(prompts)}", "kv_blocks_used": m["kv_blocks_used"],
+            "kv_blocks_total": m["kv_blocks_total"]}
+
+
+def ensure_checkpoint(bits: int, workdir: Path) -> Path:
+    import quantkit
+
+    out = workdir / f"demo-rtn-w{bits}"
+    if (out / "config.json").is_file():
+        return out
+    print(f"[bench] quantizing the demo model to int{bits} (rtn) -> {out}", file=sys.stderr, flush=True)
+    quantkit.quantize("demo", "rtn", bits=bits, output=str(out), progress=False, overwrite=True)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
+    ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 32 on CPU, 128 on GPU)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per request (default 32 CPU, 128 GPU)")
+    ap.add_argument("--batch", type=int, default=16, help="requests for the continuous-batching comparison (0: skip)")
+    ap.add_argument("--workdir", default=None, help="folder for the int4/int8 checkpoints (reused when present)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    import quantkit
+    from quantkit.engine import LLMEngine
+    from quantkit.runtime.loader import load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dev_name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(dev_name)
+    gpu = device.type == "cuda"
+    P = args.prompt_len or (128 if gpu else 32)
+    N = args.new_tokens or (128 if gpu else 32)
+    B = args.batch
+    tok = load_tokenizer("demo")
+    prompt = make_prompt(tok, P)
+    blocks = max(B, 1) * math.ceil((P + N) / 16) + 8
+
+    def engine_for(model, prefix_caching=True):
+        return LLMEngine(model, tok, num_kv_blocks=blocks, max_num_seqs=max(B, 1), kv_cache_dtype=args.kv_cache_dtype,
+                         enable_prefix_caching=prefix_caching)
+
+    rows: dict[str, dict] = {}
+    extra: dict = {}
+
+    def attempt(name, fn):
+        try:
+            rows[name] = fn()
+            print(f"[bench] {name}: {rows[name]['decode_tokens_per_s']:.1f} decode tok/s", file=sys.stderr, flush=True)
+        except Exception as exc:  # a missing piece (e.g. a backend) should not sink the other rows
+            traceback.print_exc()
+            rows[name] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    for dtype in ("float32", "bfloat16"):
+        model = quantkit.load("demo", device=str(device), dtype=dtype)
+        attempt(f"transformers generate {dtype}", lambda: hf_decode(model, prompt, N))
+        if dtype == "float32":
+            attempt("engine fp32 (unquantized)", lambda: engine_decode(engine_for(model), prompt, N))
+        del model
+
+    tmp = None
+    workdir = Path(args.workdir) if args.workdir else Path(tmp := tempfile.mkdtemp(prefix="qk-bench-"))
+    backend = "auto" if gpu else "cpu"
+    for bits in (4, 8):
+        name = f"engine int{bits} rtn (backend {backend})"
+        try:
+            path = ensure_checkpoint(bits, workdir)
+            model = quantkit.load(str(path), backend=backend, device=str(device))
+        except Exception as exc:
+            traceback.print_exc()
+            rows[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        engine = engine_for(model)
+        attempt(name, lambda: engine_decode(engine, prompt, N))
+        if bits == 4 and B > 1:
+            g = torch.Generator().manual_seed(0)
+            prompts = [torch.randint(100, 49000, (P,), generator=g).tolist() for _ in range(B)]
+            try:  # prefix caching off: the sequential runs must not reuse the batched run's K/V
+                extra["batch"] = {"model": name, **batch_vs_sequential(engine_for(model, False), prompts, N)}
+            except Exception as exc:
+                traceback.print_exc()
+                extra["batch"] = {"error": f"{type(exc).__name__}: {exc}"}
+        del model, engine
+
+    base32 = rows.get("transformers generate float32", {}).get("decode_tokens_per_s")
+    base16 = rows.get("transformers generate bfloat16", {}).get("decode_tokens_per_s")
+    print(f"\ndemo model (SmolLM2-135M), device {device}, torch threads {torch.get_num_threads()}, "
+          f"prompt {P} tokens, {N} new tokens, batch 1, one run each")
+    print(f"{'':38s} {'decode tok/s':>12s} {'e2e tok/s':>10s} {'vs HF fp32':>11s} {'vs HF bf16':>11s}")
+    for name, r in rows.items():
+        if "error" in r:
+            print(f"{name:38s} failed: {r['error'][:80]}")
+            continue
+        d = r["decode_tokens_per_s"]
+        ratio = lambda b: f"{d / b:10.2f}x" if b else f"{'-':>11s}"  # noqa: E731
+        print(f"{name:38s} {d:12.1f} {r['tokens_per_s']:10.1f} {ratio(base32)} {ratio(base16)}")
+    if "batch" in extra:
+        b = extra["batch"]
+        if "error" in b:
+            print(f"\nbatch {B}: failed: {b['error'][:100]}")
+        else:
+            print(f"\nbatch {b['batch']} through the engine ({b['model']}): continuous batching "
+                  f"{b['continuous_tokens_per_s']:.1f} tok/s vs {b['batch']} sequential runs "
+                  f"{b['sequential_tokens_per_s']:.1f} tok/s = {b['speedup']:.2f}x "
+                  f"(identical outputs {b['identical_outputs']}, KV blocks {b['kv_blocks_used']}/{b['kv_blocks_total']})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": str(device), "prompt_len": P, "new_tokens": N,
+                                               "rows": rows, **extra}, indent=2))
+    if tmp:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0 if all("error" not in r for r in rows.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

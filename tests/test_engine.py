@@ -1,0 +1,653 @@
+"""quantkit.engine: block manager, scheduler, sampler, rotary, KV cache, the paged-decode kernel
+(Triton interpreter vs PyTorch reference), and the engine end to end against transformers.
+
+Fast tests use tiny random Llama-family models built here; the ``slow`` ones run the demo model
+(SmolLM2-135M-Instruct) in fp32 on CPU, where greedy tokens must equal transformers' ``generate``.
+Every engine test ends by checking that the KV pool is back to full (no leaked blocks).
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+
+from quantkit.engine import LLMEngine, SamplingParams, engine_logits_fn
+from quantkit.engine.block_manager import BlockManager
+from quantkit.engine.kv_cache import KVCache, bytes_per_block, dequantize_kv, parse_bytes, quantize_kv
+from quantkit.engine.rotary import RotaryEmbedding, rope_parameters
+from quantkit.engine.sampler import Sampler, top_k_top_p_mask
+from quantkit.engine.scheduler import Scheduler
+from quantkit.engine.sequence import Sequence, SequenceStatus
+from quantkit.errors import QuantkitError
+from quantkit.kernels import paged_attention as pa
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small matmuls on a shared 2-core box: one thread avoids spin-wait contention (5x faster here)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def assert_pool_full(engine: LLMEngine) -> None:
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_used_blocks} KV blocks leaked"
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert engine.is_finished()
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, **kw)
+
+
+# ====================================================================== block manager
+def _seq(tokens, bs=4, n=8):
+    return Sequence(list(tokens), greedy(n), bs)
+
+
+def test_block_manager_alloc_free_no_leak():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a, b = _seq(range(10, 19)), _seq(range(50, 55))  # 9 tokens -> 3 blocks, 5 tokens -> 2 blocks
+    bm.allocate(a)
+    bm.allocate(b)
+    assert len(a.block_table) == 3 and len(b.block_table) == 2
+    assert len(set(a.block_table) | set(b.block_table)) == 5
+    assert bm.num_free_blocks == 3 and bm.peak_used == 5
+    assert not bm.can_allocate(_seq(range(100, 116)))  # needs 4
+    bm.deallocate(a)
+    bm.deallocate(b)
+    assert bm.num_free_blocks == 8 and a.block_table == [] and a.num_cached_tokens == 0
+    assert all(blk.ref_count == 0 for blk in bm.blocks)
+    with pytest.raises(RuntimeError):
+        bm._release(0)
+
+
+def test_block_manager_prefix_sharing_and_refcounts():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    prefix = list(range(20, 28))  # two full blocks
+    a, b = _seq(prefix + [1, 2, 3]), _seq(prefix + [7, 8, 9, 10, 11])
+    bm.allocate(a)
+    bm.allocate(b)
+    assert a.block_table[:2] == b.block_table[:2], "full prefix blocks are shared"
+    assert a.block_table[2] != b.block_table[2]
+    assert [bm.blocks[i].ref_count for i in a.block_table[:2]] == [2, 2]
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 8 and b.prefill_start == 8
+    assert (bm.prefix_hit_blocks, bm.prefix_queried_blocks) == (2, 2 + 3)  # b has 3 full blocks
+    assert bm.num_used_blocks == 3 + 2
+    bm.deallocate(a)
+    assert [bm.blocks[i].ref_count for i in b.block_table[:2]] == [1, 1]
+    bm.deallocate(b)
+    assert bm.num_free_blocks == 10
+    # the same first block after a different first block is a different prefix: no hit
+    c = _seq([99, 98, 97, 96] + prefix[4:8] + [0])
+    bm.allocate(c)
+    assert c.num_cached_tokens == 0
+    bm.deallocate(c)
+    assert bm.num_free_blocks == 10
+
+
+def test_block_manager_revive_evict_and_all_cached():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    prompt = list(range(30, 38))  # exactly two full blocks
+    a = _seq(prompt)
+    bm.allocate(a)
+    first = list(a.block_table)
+    bm.deallocate(a)  # freed, but hashes and contents stay
+    b = _seq(prompt)
+    bm.allocate(b)
+    assert b.block_table == first and b.num_cached_tokens == 8
+    assert b.prefill_start == 7, "a fully cached prompt still recomputes its last token"
+    bm.deallocate(b)
+    # other content takes every free block: the cached prefix is evicted, and never falsely hit
+    c = _seq(range(60, 72))
+    bm.allocate(c)
+    bm.deallocate(c)
+    d = _seq(prompt)
+    bm.allocate(d)
+    assert d.num_cached_tokens == 0
+    bm.deallocate(d)
+    assert bm.num_free_blocks == 3
+
+
+def test_block_manager_decode_append_registers_full_blocks():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = _seq([5, 6, 7])
+    bm.allocate(a)
+    assert len(a.block_table) == 1
+    a.append_token(8)  # fills block 0 (its K/V is written by the next decode)
+    assert bm.can_append(a)
+    bm.may_append(a)
+    assert len(a.block_table) == 1 and bm.blocks[a.block_table[0]].hash is not None
+    a.append_token(9)  # needs a second block
+    bm.may_append(a)
+    assert len(a.block_table) == 2
+    b = _seq([5, 6, 7, 8, 1])
+    bm.allocate(b)
+    assert b.block_table[0] == a.block_table[0] and b.num_cached_tokens == 4
+    bm.deallocate(a)
+    bm.deallocate(b)
+    assert bm.num_free_blocks == 6
+    full = BlockManager(num_blocks=1, block_size=4)
+    s = _seq([1, 2, 3, 4])
+    full.allocate(s)
+    s.append_token(5)
+    assert not full.can_append(s)
+
+
+# ====================================================================== scheduler (no model)
+def _drive(sched: Scheduler, token=5, max_steps=10_000):
+    """Run the scheduler with a fake model that always emits ``token``; returns (steps, max running)."""
+    steps, peak = [], 0
+    for _ in range(max_steps):
+        if sched.is_finished():
+            return steps, peak
+        seqs, is_prefill = sched.schedule()
+        assert seqs, "scheduler stalled"
+        peak = max(peak, len(sched.running))
+        steps.append((is_prefill, [s.seq_id for s in seqs]))
+        sched.postprocess(seqs, [token] * len(seqs), now=0.0)
+    raise AssertionError("did not finish")
+
+
+def test_scheduler_continuous_batching_caps_and_preemption():
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=64, eos_token_ids=frozenset({2}))
+    seqs = [Sequence(list(range(10 + 7 * i, 15 + 7 * i)), greedy(n), 4) for i, n in enumerate([3, 12, 9, 4, 6])]
+    for s in seqs:
+        sched.add(s)
+    steps, peak = _drive(sched)
+    assert peak <= 3
+    assert all(s.status == SequenceStatus.FINISHED and s.num_completion_tokens == s.sampling_params.max_tokens
+               for s in seqs)
+    assert sched.num_preemptions > 0, "6 blocks for 3 growing sequences must preempt"
+    assert bm.num_free_blocks == bm.num_blocks
+    # a request that joined later was prefilled while others were mid-decode
+    first_decode = next(i for i, (p, _) in enumerate(steps) if not p)
+    assert any(p for p, _ in steps[first_decode:])
+    # eos stops a request unless ignore_eos
+    bm2 = BlockManager(num_blocks=4, block_size=4)
+    sched2 = Scheduler(bm2, eos_token_ids=frozenset({2}))
+    a, b = Sequence([3, 4], greedy(5), 4), Sequence([3, 4], greedy(5, ignore_eos=True), 4)
+    sched2.add(a)
+    sched2.add(b)
+    _drive(sched2, token=2)
+    assert (a.num_completion_tokens, a.finish_reason) == (1, "stop")
+    assert (b.num_completion_tokens, b.finish_reason) == (5, "length")
+    assert bm2.num_free_blocks == 4
+
+
+def test_scheduler_token_budget_and_oversized_request():
+    bm = BlockManager(num_blocks=20, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=10)
+    for i in range(3):
+        sched.add(Sequence(list(range(40 + 10 * i, 46 + 10 * i)), greedy(1), 4))
+    seqs, is_prefill = sched.schedule()
+    assert is_prefill and len(seqs) == 1, "6 + 6 tokens exceed a budget of 10"
+    _drive(sched)
+    with pytest.raises(QuantkitError, match="KV blocks"):
+        sched.add(Sequence(list(range(70)), greedy(20), 4))  # 90 tokens > 20 blocks x 4
+
+
+# ====================================================================== sampler
+def _mask_loop(logits, top_k, top_p):
+    """Straightforward per-row top-k then top-p (on the renormalised top-k distribution)."""
+    B, V = logits.shape
+    drop = torch.ones(B, V, dtype=torch.bool)
+    for b in range(B):
+        order = sorted(range(V), key=lambda j: -logits[b, j].item())
+        k = top_k[b] if top_k[b] > 0 else V
+        kept = order[:k]
+        probs = torch.softmax(logits[b, kept], dim=0).tolist()
+        total, final = 0.0, []
+        for j, p in zip(kept, probs):
+            final.append(j)
+            total += p
+            if total >= top_p[b] - 1e-7:
+                break
+        drop[b, final] = False
+    return drop
+
+
+def test_sampler_top_k_top_p_masks_match_loop():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 40, generator=g) * 3
+    top_k = [0, 5, 1, 40, 3, 0]
+    top_p = [0.9, 1.0, 0.5, 0.3, 0.99, 1.0]
+    got = top_k_top_p_mask(logits, torch.tensor(top_k), torch.tensor(top_p))
+    assert torch.equal(got, _mask_loop(logits, top_k, top_p))
+    assert not got[5].any()
+
+
+def test_sampler_greedy_and_seeded_determinism():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 100)
+    sampler = Sampler()
+
+    def fresh(params):
+        return [SimpleNamespace(sampling_params=p, generator=None) for p in params]
+
+    g = sampler(logits, fresh([greedy(1), SamplingParams(top_k=1), greedy(1)]))
+    assert g == logits.argmax(-1).tolist() and g[1] == logits[1].argmax().item()
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=7), SamplingParams(temperature=1.5, top_k=10, seed=8)]
+    seqs1, seqs2 = fresh(params), fresh(params)
+    draws1 = [sampler(logits[:2], seqs1) for _ in range(20)]
+    draws2 = [sampler(logits[:2], seqs2) for _ in range(20)]
+    assert draws1 == draws2, "same seeds, same draws"
+    # a seeded request draws the same tokens whatever it is batched with
+    solo = fresh(params[1:])
+    assert [sampler(logits[1:2], solo)[0] for _ in range(20)] == [d[1] for d in draws1]
+    top10 = set(logits[1].topk(10).indices.tolist())
+    assert all(d[1] in top10 for d in draws1)
+    assert len({d[0] for d in draws1}) > 1, "sampling at temperature 0.8 should not be constant"
+
+
+def test_sampling_params_validation():
+    for bad in (dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0), dict(top_k=-2)):
+        with pytest.raises(QuantkitError):
+            SamplingParams(**bad)
+
+
+# ====================================================================== rotary, KV cache dtypes
+ROPES = [
+    None,
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+]
+
+
+@pytest.mark.parametrize("rope", ROPES, ids=["default", "linear", "llama3", "yarn"])
+def test_rotary_matches_transformers(rope):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=256,
+                                   **({"rope_parameters": rope} if rope else {}))
+    pos = torch.arange(0, 300)
+    cos, sin = LlamaRotaryEmbedding(cfg)(torch.zeros(1, 300, 16), pos[None])
+    c2, s2 = RotaryEmbedding.from_config(cfg).cos_sin(pos, torch.float32)
+    assert torch.equal(cos[0], c2) and torch.equal(sin[0], s2)
+
+
+def test_rope_parameters_legacy_config():
+    old = SimpleNamespace(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 4.0}, hidden_size=64,
+                          num_attention_heads=4, head_dim=None)
+    assert rope_parameters(old) == {"type": "linear", "factor": 4.0, "rope_theta": 5e5, "rope_type": "linear"}
+    rot = RotaryEmbedding.from_config(old)
+    base = 1.0 / (5e5 ** (torch.arange(0, 16, 2).float() / 16))
+    assert torch.allclose(rot.inv_freq, base / 4.0)
+
+
+def test_kv_quantization_and_bytes_per_block():
+    torch.manual_seed(0)
+    x = torch.randn(50, 3, 64) * torch.rand(50, 3, 1) * 10
+    q, s = quantize_kv(x, torch.int8)
+    assert q.dtype == torch.int8 and s.shape == (50, 3)
+    assert ((dequantize_kv(q, s, torch.float32) - x).abs() <= s[..., None] / 2 + 1e-6).all()
+    q8, s8 = quantize_kv(x, torch.float8_e4m3fn)
+    err = (dequantize_kv(q8, s8, torch.float32) - x).abs()
+    assert (err <= x.abs() * 2 ** -4 + s8[..., None] * 2 ** -9).all()  # 3 mantissa bits, subnormals
+    # the demo model: 30 layers, 3 KV heads of 64, 16-token blocks
+    assert bytes_per_block(30, 16, 3, 64, torch.float32, False) == 737280
+    assert bytes_per_block(30, 16, 3, 64, torch.bfloat16, False) == 368640
+    assert bytes_per_block(30, 16, 3, 64, torch.int8, True) == 2 * 30 * 16 * 3 * (64 + 4)
+    assert parse_bytes("1.5GiB") == 3 << 29 and parse_bytes("512MB") == 512 << 20 and parse_bytes(4096) == 4096
+    cache = KVCache(2, 4, 4, 3, 8, torch.float32, "int8")
+    k = torch.randn(3, 3, 8)
+    cache.store(1, k, k * 2, torch.tensor([5, -1, 0]))
+    assert cache.k[1].view(-1, 3, 8)[-1].abs().sum() == 0, "slot -1 is skipped, not the last slot"
+    got_k, got_v = cache.gather(1, torch.tensor([1, 0]), 6, torch.float32)
+    assert torch.allclose(got_k[1], k[0], atol=0.05) and torch.allclose(got_v[4], 2 * k[2], atol=0.1)
+    with pytest.raises(QuantkitError):
+        KVCache(1, 1, 4, 1, 8, torch.float32, "int4")
+
+
+# ====================================================================== paged-decode kernel
+def _paged_case(dtype, kv_heads=2, group=3, head_dim=16, block_size=4, lens=(7, 1, 12, 4), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = sum(math.ceil(n / block_size) for n in lens) + 3
+    perm = torch.randperm(n_blocks, generator=g).tolist()  # scattered, non-contiguous blocks
+    tables, width = [], max(math.ceil(n / block_size) for n in lens)
+    for n in lens:
+        nb = math.ceil(n / block_size)
+        row, perm = perm[:nb], perm[nb:]
+        tables.append(row + [-1] * (width - nb))
+    k = torch.randn(n_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(n_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=g).to(dtype)
+    return q, k, v, torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+
+
+def _loop_attention(q, k, v, tables, lens, scale, ks=None, vs=None):
+    """Per-sequence, per-head softmax attention over gathered K/V: the reference's reference."""
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    group = q.shape[1] // k.shape[2]
+    for b, n in enumerate(lens.tolist()):
+        kk = pa.gather_kv(k, ks, tables[b].clamp_min(0), n, torch.float32)
+        vv = pa.gather_kv(v, vs, tables[b].clamp_min(0), n, torch.float32)
+        for h in range(q.shape[1]):
+            p = torch.softmax(kk[:, h // group] @ q[b, h].float() * scale, dim=0)
+            out[b, h] = p @ vv[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_paged_decode_triton_vs_reference(dtype):
+    if not pa.HAS_TRITON or not (pa.INTERPRET or torch.cuda.is_available()):
+        pytest.skip("triton interpreter not active")
+    dev = "cuda" if torch.cuda.is_available() and not pa.INTERPRET else "cpu"
+    for group, head_dim, block_size, lens in [(3, 16, 4, (7, 1, 12, 4)), (1, 8, 8, (16, 9)), (4, 32, 2, (3, 5))]:
+        q, k, v, tables, lens_t = _paged_case(dtype, group=group, head_dim=head_dim, block_size=block_size, lens=lens)
+        scale = head_dim ** -0.5
+        ref = pa.paged_attention_decode_reference(q, k, v, tables, lens_t, scale)
+        tol = 2e-3 if dtype == torch.float16 else 1e-5
+        assert torch.allclose(ref.float(), _loop_attention(q, k, v, tables, lens_t, scale), atol=tol)
+        out = pa.paged_attention_decode(*(t.to(dev) for t in (q, k, v, tables, lens_t)), scale, use_triton=True)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_paged_decode_triton_quantized_cache(kv_dtype):
+    if not pa.HAS_TRITON or not (pa.INTERPRET or torch.cuda.is_available()):
+        pytest.skip("triton interpreter not active")
+    q, k, v, tables, lens = _paged_case(torch.float32, lens=(9, 2, 6))
+    kq, ks = quantize_kv(k, kv_dtype)
+    vq, vs = quantize_kv(v, kv_dtype)
+    scale = 16 ** -0.5
+    ref = pa.paged_attention_decode_reference(q, kq, vq, tables, lens, scale, ks, vs)
+    torch.testing.assert_close(ref, _loop_attention(q, kq, vq, tables, lens, scale, ks, vs), atol=1e-5, rtol=1e-5)
+    out = pa.paged_attention_decode(q, kq, vq, tables, lens, scale, ks, vs, use_triton=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    exact = pa.paged_attention_decode_reference(q, k, v, tables, lens, scale)
+    assert (out - exact).abs().max() < (0.05 if kv_dtype == torch.int8 else 0.2)
+
+
+# ====================================================================== tiny models end to end
+def tiny_model(kind: str = "llama", **extra):
+    torch.manual_seed(0)
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, bos_token_id=1,
+                  eos_token_id=None, pad_token_id=0, initializer_range=0.1)
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[kind]
+    if kind == "qwen3":
+        common["head_dim"] = 24  # != hidden / heads, like real Qwen3
+    cfg = cls(**{**common, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    if kind == "qwen2":  # random biases, so they matter
+        for layer in model.model.layers:
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(lin.bias, std=0.5)
+    if kind == "qwen3":
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.q_norm.weight, 1.0, 0.3)
+    return model
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                         pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def _prompts(n, lengths, vocab=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths][:n]
+
+
+TINY = {
+    "llama": {},
+    "llama-llama3rope": {"rope_parameters": ROPES[2]},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {},
+}
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_tiny_models_greedy_match_transformers(name):
+    kind = name.split("-")[0]
+    model = tiny_model(kind, **TINY[name])
+    prompts = _prompts(4, [5, 17, 2, 33], seed=1)
+    max_new = [9, 4, 12, 7]
+    want = [hf_greedy(model, p, n) for p, n in zip(prompts, max_new)]
+    eng = LLMEngine(model, block_size=4, num_kv_blocks=40, max_num_seqs=2)
+    got = eng.generate(prompts, [greedy(n) for n in max_new])
+    assert [g["token_ids"] for g in got] == want
+    m = eng.get_metrics()
+    assert m["requests"] == 4 and m["output_tokens"] == sum(max_new) and m["kv_blocks_used"] <= 40
+    assert_pool_full(eng)
+
+
+def test_tiny_triton_decode_backend_and_preemption():
+    if not pa.HAS_TRITON or not pa.INTERPRET:
+        pytest.skip("triton interpreter not active")
+    model = tiny_model("llama", num_hidden_layers=1)
+    prompts = _prompts(3, [6, 3, 9], seed=2)
+    want = [hf_greedy(model, p, 6) for p in prompts]
+    eng = LLMEngine(model, block_size=4, num_kv_blocks=4, max_num_seqs=3, attention_backend="triton")
+    assert eng.runner.use_triton
+    got = eng.generate(prompts, greedy(6))
+    assert [g["token_ids"] for g in got] == want
+    assert eng.get_metrics()["num_preemptions"] > 0
+    assert_pool_full(eng)
+
+
+def test_tiny_prefix_cache_same_batch_and_full_hit():
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 256, (12,), generator=g).tolist()  # 3 blocks of 4
+    p1, p2 = shared + [7, 8], shared + [9]
+    want = [hf_greedy(model, p, 5) for p in (p1, p2, shared)]
+    eng = LLMEngine(model, block_size=4, num_kv_blocks=30)
+    got = eng.generate([p1, p2], greedy(5))  # submitted together: the prefix is prefilled once
+    assert [o["token_ids"] for o in got] == want[:2]
+    m = eng.get_metrics()
+    assert m["computed_prompt_tokens"] == len(p1) + len(p2) - 12 and m["prefix_hit_blocks"] == 3
+    eng.reset_metrics()
+    got = eng.generate([shared], greedy(5))  # every block cached: only the last token is recomputed
+    assert got[0]["token_ids"] == want[2]
+    m = eng.get_metrics()
+    assert m["computed_prompt_tokens"] == 1 and m["prefix_hit_rate"] == 1.0
+    assert_pool_full(eng)
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_tiny_engine_logits_match_transformers(kv):
+    model = tiny_model("qwen2")
+    x = torch.randint(3, 256, (3, 21), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(x).logits
+    fn = engine_logits_fn(model, block_size=8, kv_cache_dtype=kv)
+    got = fn(x)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # prefill attends over fresh K/V
+    assert_pool_full(fn.engine_state["engine"])
+
+
+def test_engine_rejects_bad_input():
+    model = tiny_model("llama", num_hidden_layers=1)
+    eng = LLMEngine(model, block_size=4, num_kv_blocks=3)
+    with pytest.raises(QuantkitError, match="KV blocks"):
+        eng.generate([[5] * 10], greedy(8))
+    with pytest.raises(QuantkitError, match="tokenizer"):
+        eng.generate(["text"], greedy(2))
+    with pytest.raises(QuantkitError, match=r"\[0, 256\)"):
+        eng.generate([[5, 300]], greedy(2))
+    with pytest.raises(QuantkitError, match="holds no block"):
+        LLMEngine(model, kv_cache_memory="1KB")
+    assert_pool_full(eng)
+    opt = transformers.AutoModelForCausalLM.from_config(transformers.OPTConfig(
+        hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=2, vocab_size=64, word_embed_proj_dim=32))
+    with pytest.raises(QuantkitError, match="Llama-family"):
+        LLMEngine(opt, num_kv_blocks=4)
+    windowed = LLMEngine(tiny_model("mistral", num_hidden_layers=1, sliding_window=16), num_kv_blocks=16)
+    with pytest.raises(QuantkitError, match="sliding-window"):
+        windowed.generate([[5] * 10], greedy(10))
+    assert len(windowed.generate([[5] * 10], greedy(6))[0]["token_ids"]) == 6
+
+
+# ====================================================================== the demo model (slow)
+DEMO_PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived",
+                "def fibonacci(n):", "Water boils at"]
+DEMO_MAX_NEW = [12, 16, 6, 10]
+
+
+@pytest.fixture(scope="module")
+def demo(demo_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(demo_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(demo_dir, dtype=torch.float32).eval()
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def demo_reference(demo):
+    """transformers' greedy generate, one prompt at a time (no padding), eos as configured."""
+    model, tok = demo
+    out = []
+    for p, n in zip(DEMO_PROMPTS, DEMO_MAX_NEW):
+        ids = tok(p, return_tensors="pt").input_ids
+        out.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                  do_sample=False)[0, ids.shape[1]:].tolist())
+    return out
+
+
+@pytest.mark.slow
+def test_demo_continuous_batching_matches_transformers(demo, demo_reference):
+    model, tok = demo
+    eng = LLMEngine(model, tok, max_num_seqs=2)  # 4 prompts, 2 slots: later ones join as others finish
+    streamed: dict[int, str] = {}
+    got = eng.generate(DEMO_PROMPTS, [greedy(n) for n in DEMO_MAX_NEW],
+                       stream_callback=lambda i, t, piece: streamed.__setitem__(i, streamed.get(i, "") + piece))
+    assert [g["token_ids"] for g in got] == demo_reference
+    assert [streamed.get(i, "") for i in range(4)] == [g["text"] for g in got]
+    m = eng.get_metrics()
+    assert m["prefill_steps"] >= 3 and m["requests"] == 4 and m["ttft_ms"] > 0 and m["decode_tokens_per_s"] > 0
+    assert_pool_full(eng)
+
+
+@pytest.mark.slow
+def test_demo_preemption_keeps_tokens(demo, demo_reference):
+    model, tok = demo
+    # 4-token blocks, and just enough for the longest request alone: sequences must be preempted
+    need = max(math.ceil((len(tok(p).input_ids) + n) / 4) for p, n in zip(DEMO_PROMPTS, DEMO_MAX_NEW))
+    eng = LLMEngine(model, tok, block_size=4, num_kv_blocks=need, max_num_seqs=4)
+    got = eng.generate(DEMO_PROMPTS, [greedy(n) for n in DEMO_MAX_NEW])
+    assert [g["token_ids"] for g in got] == demo_reference
+    m = eng.get_metrics()
+    assert m["num_preemptions"] > 0 and m["kv_utilization"] == 1.0
+    assert_pool_full(eng)
+
+
+@pytest.mark.slow
+def test_demo_prefix_caching_skips_shared_blocks(demo):
+    model, tok = demo
+    system = tok("You are a helpful assistant. Answer every question truthfully, concisely and in plain "
+                 "English. Never make things up; when unsure, say so and explain why.").input_ids
+    shared = system[:32]  # two full 16-token blocks
+    p1 = shared + tok(" Question: what is the capital of Italy? Answer:").input_ids
+    p2 = shared + tok(" Question: name a primary colour. Answer:").input_ids
+    alone = []
+    for p in (p1, p2):
+        e = LLMEngine(model, tok, enable_prefix_caching=False, num_kv_blocks=16)
+        alone.append(e.generate([p], greedy(8))[0]["token_ids"])
+        assert_pool_full(e)
+    eng = LLMEngine(model, tok, num_kv_blocks=16)
+    first = eng.generate([p1], greedy(8))[0]["token_ids"]
+    eng.reset_metrics()
+    second = eng.generate([p2], greedy(8))[0]["token_ids"]
+    assert [first, second] == alone
+    m = eng.get_metrics()
+    assert m["prefix_hit_blocks"] == 2 and m["computed_prompt_tokens"] == len(p2) - 32
+    assert m["prefix_hit_rate"] == 2 / (len(p2) // 16)
+    assert_pool_full(eng)
+
+
+class _ForcingSampler(Sampler):
+    """Feeds given tokens instead of sampling and records the logits (teacher forcing through decode)."""
+
+    def __init__(self, forced: list[int]):
+        self.forced, self.logits = forced, []
+
+    def __call__(self, logits, seqs):
+        self.logits.append(logits[0].float().clone())
+        return [self.forced[len(self.logits) - 1]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_demo_quantized_kv_cache(demo, demo_reference, kv):
+    """int8 / fp8 KV: greedy tokens identical on most prompts; along the reference continuation every
+    decode step's logits stay within LOGIT_TOL of the fp32 cache's, and the argmax agrees wherever the
+    reference's top-2 margin exceeds 2 x LOGIT_TOL. (On "Water boils at" the fp32 top-2 margin at
+    step 5 is tiny, so a quantized cache may pick the other token there.)"""
+    LOGIT_TOL = 0.6 if kv == "int8" else 1.5  # measured max over the vocab: 0.45 / 1.08; logits' std is ~3
+    model, tok = demo
+    eng = LLMEngine(model, tok, kv_cache_dtype=kv, num_kv_blocks=16)
+    assert eng.kv_cache.bytes_per_block == 2 * 30 * 16 * 3 * (64 + 4)
+    got = eng.generate(DEMO_PROMPTS, [greedy(n) for n in DEMO_MAX_NEW])
+    same = sum(g["token_ids"] == r for g, r in zip(got, demo_reference))
+    assert same >= 3
+    assert_pool_full(eng)
+    prompt, ref = tok(DEMO_PROMPTS[3]).input_ids, demo_reference[3]
+    logits = {}
+    for name in ("auto", kv):
+        e = LLMEngine(model, tok, kv_cache_dtype=name, num_kv_blocks=4)
+        e.sampler = _ForcingSampler(ref)
+        e.generate([prompt], greedy(len(ref), ignore_eos=True))
+        logits[name] = torch.stack(e.sampler.logits)
+        assert_pool_full(e)
+    base, quant = logits["auto"], logits[kv]
+    assert (base.argmax(-1).tolist() == ref)
+    diff = (base - quant).abs().amax(-1)
+    assert diff.max() < LOGIT_TOL, diff
+    top2 = base.topk(2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]) > 2 * LOGIT_TOL
+    assert torch.equal(quant.argmax(-1)[decisive], base.argmax(-1)[decisive])
+
+
+@pytest.mark.slow
+def test_demo_perplexity_through_engine_matches_transformers(demo):
+    from quantkit.evaluate import perplexity
+
+    model, tok = demo
+    try:
+        from quantkit.data import eval_token_stream
+
+        tokens = eval_token_stream("lee", tok, max_tokens=1100)
+    except Exception:  # corpus not available offline: any text will do
+        tokens = torch.tensor(tok(" ".join(DEMO_PROMPTS * 80)).input_ids)
+    ref = perplexity(model, tokens, seq_len=256, max_windows=4, batch_size=2)
+    eng = LLMEngine(model, tok, num_kv_blocks=40, enable_prefix_caching=False)
+    got = perplexity(model, tokens, seq_len=256, max_windows=4, batch_size=2, logits_fn=engine_logits_fn(eng))
+    assert got["tokens"] == ref["tokens"] == 4 * 255
+    assert abs(got["perplexity"] / ref["perplexity"] - 1) < 1e-3, (got, ref)
+    assert_pool_full(eng)
+
+
+@pytest.mark.slow
+def test_api_generate_text_and_run_bench(tiny_llama_dir):
+    from quantkit.engine import generate_text, run_bench
+
+    pieces: list[str] = []
+    out = generate_text(str(tiny_llama_dir), "Hello there", max_new_tokens=6, stream=pieces.append, ignore_eos=True)
+    assert len(out["token_ids"]) == 6 and "".join(pieces) == out["text"]
+    again = generate_text(str(tiny_llama_dir), "Hello there", max_new_tokens=6, ignore_eos=True)
+    assert again["token_ids"] == out["token_ids"]
+    chat = generate_text(str(tiny_llama_dir), "Hi", max_new_tokens=3, chat=True, temperature=0.7, seed=1,
+                         ignore_eos=True)
+    assert len(chat["token_ids"]) == 3 and chat["num_prompt_tokens"] > 3
+    res = run_bench(str(tiny_llama_dir), batch=3, input_len=20, output_len=5, kv_cache_dtype="int8", block_size=8)
+    for key in ("ttft_ms", "tpot_ms", "tokens_per_s", "kv_blocks_used", "kv_blocks_total", "kv_utilization",
+                "prefix_hit_rate", "kv_bytes_per_block", "decode_tokens_per_s"):
+        assert res[key] is not None, key
+    assert res["output_tokens"] == 15 and res["kv_cache_dtype"] == "int8"
+    assert res["kv_blocks_used"] == 3 * math.ceil((20 + 5 - 1) / 8)  # the last token is never cached
+    assert res["kv_bytes_per_block"] == 2 * 2 * 8 * 2 * (16 + 4)  # K+V, 2 layers, 8 tokens, 2 KV heads, 16 B + scale
