@@ -164,8 +164,12 @@ def evaluate(
     device: Optional[str] = None,
     batch_size: int = 4,
     progress: bool = False,
+    engine: bool = False,
 ) -> dict[str, Any]:
-    """Held-out perplexity of `model`, and of `baseline` on the same tokens when given."""
+    """Held-out perplexity of `model`, and of `baseline` on the same tokens when given.
+
+    With `engine=True` the logits come from the paged-KV engine's prefill path, so perplexity is
+    measured through the same code that `quantkit bench` times."""
     from quantkit import data
     from quantkit.evaluate import perplexity
     from quantkit.runtime.loader import load_tokenizer
@@ -174,13 +178,15 @@ def evaluate(
     qmodel = load(model, backend=backend, device=device, dtype=dtype)
     tokenizer = load_tokenizer(str(model))
     stream = data.eval_token_stream(dataset, tokenizer)
-    result = perplexity(qmodel, stream, seq_len=seq_len, max_windows=max_windows, batch_size=batch_size, progress=progress)
+    result = perplexity(qmodel, stream, seq_len=seq_len, max_windows=max_windows, batch_size=batch_size, progress=progress,
+                        logits_fn=_engine_fn(qmodel) if engine else None)
     out = {"model": str(model), "perplexity": result["perplexity"], "tokens": result["tokens"], "windows": result["windows"],
-           "backend": backend}
+           "backend": backend, "engine": engine}
     del qmodel
     if baseline:
         base = load(baseline, backend=backend, device=device, dtype=dtype)
-        base_result = perplexity(base, stream, seq_len=seq_len, max_windows=max_windows, batch_size=batch_size, progress=progress)
+        base_result = perplexity(base, stream, seq_len=seq_len, max_windows=max_windows, batch_size=batch_size,
+                                 progress=progress, logits_fn=_engine_fn(base) if engine else None)
         out["baseline"] = str(baseline)
         out["baseline_perplexity"] = base_result["perplexity"]
         out["ratio"] = result["perplexity"] / base_result["perplexity"]
@@ -188,3 +194,9 @@ def evaluate(
         out["baseline_perplexity"] = None
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
+
+
+def _engine_fn(model):
+    from quantkit.engine.llm_engine import engine_logits_fn
+
+    return engine_logits_fn(model)

@@ -26,6 +26,10 @@ def _quiet_libraries() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity_error()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -86,17 +90,75 @@ def quantize(model, method, bits, group_size, sym, format_, recipe, dataset, num
 @click.option("--dtype", default=None, help="Activation dtype (default: the checkpoint's).")
 @click.option("--device", default=None)
 @click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option("--engine", is_flag=True, help="Score through the paged-KV engine (the code path `bench` times).")
 @click.option("--json", "as_json", is_flag=True)
-def eval_cmd(model, baseline, dataset, seq_len, max_windows, backend, dtype, device, batch_size, as_json):
+def eval_cmd(model, baseline, dataset, seq_len, max_windows, backend, dtype, device, batch_size, engine, as_json):
     """Held-out perplexity, optionally next to a baseline's."""
     from quantkit import api
 
     _quiet_libraries()
     r = api.evaluate(model, baseline=baseline, dataset=dataset, seq_len=seq_len, max_windows=max_windows, backend=backend,
-                     dtype=dtype, device=device, batch_size=batch_size, progress=not as_json)
+                     dtype=dtype, device=device, batch_size=batch_size, progress=not as_json, engine=engine)
     human = f"perplexity {r['perplexity']:.4f} over {r['tokens']} tokens ({r['windows']} windows)"
     if r.get("baseline_perplexity"):
         human += f"; baseline {r['baseline_perplexity']:.4f}; ratio {r['ratio']:.4f}"
+    _emit(r, as_json, human)
+
+
+@cli.command()
+@click.option("--model", default="demo", show_default=True, help="Quantized checkpoint, HF folder, or 'demo'.")
+@click.option("--prompt", required=True)
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 means greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--backend", default="auto", show_default=True)
+@click.option("--kv-cache-dtype", default="auto", show_default=True, help="auto (model dtype), int8 or fp8.")
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--dtype", default=None)
+@click.option("--device", default=None)
+@click.option("--json", "as_json", is_flag=True)
+def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, seed, backend, kv_cache_dtype, block_size,
+             dtype, device, as_json):
+    """Generate text through the paged-KV engine, streaming tokens as they come."""
+    from quantkit.engine.api import generate_text
+
+    _quiet_libraries()
+    stream = None if as_json else (lambda piece: click.echo(piece, nl=False))
+    r = generate_text(model, prompt, max_new_tokens=max_new_tokens, chat=chat, temperature=temperature, top_p=top_p,
+                      top_k=top_k, seed=seed, stream=stream, backend=backend, kv_cache_dtype=kv_cache_dtype,
+                      block_size=block_size, dtype=dtype, device=device)
+    if as_json:
+        click.echo(json.dumps(r, default=str))
+    else:
+        click.echo("")
+
+
+@cli.command()
+@click.option("--model", default="demo", show_default=True, help="Quantized checkpoint, HF folder, or 'demo'.")
+@click.option("--batch", type=int, default=8, show_default=True)
+@click.option("--input-len", type=int, default=128, show_default=True)
+@click.option("--output-len", type=int, default=128, show_default=True)
+@click.option("--kv-cache-dtype", default="auto", show_default=True, help="auto (model dtype), int8 or fp8.")
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--kv-cache-memory", default=None, help="KV pool size in bytes (default: a fraction of free memory).")
+@click.option("--backend", default="auto", show_default=True)
+@click.option("--dtype", default=None)
+@click.option("--device", default=None)
+@click.option("--json", "as_json", is_flag=True)
+def bench(model, batch, input_len, output_len, kv_cache_dtype, block_size, kv_cache_memory, backend, dtype, device, as_json):
+    """TTFT, TPOT, tokens/s and KV-cache use of a batch run with continuous batching."""
+    from quantkit.engine.api import run_bench
+
+    _quiet_libraries()
+    memory = int(kv_cache_memory) if kv_cache_memory is not None and str(kv_cache_memory).isdigit() else kv_cache_memory
+    r = run_bench(model, batch=batch, input_len=input_len, output_len=output_len, kv_cache_dtype=kv_cache_dtype,
+                  block_size=block_size, kv_cache_memory=memory, backend=backend, device=device, dtype=dtype)
+    human = (f"ttft {r['ttft_ms']:.1f} ms, tpot {r['tpot_ms']:.1f} ms, {r['tokens_per_s']:.1f} tokens/s; "
+             f"KV blocks {r['kv_blocks_used']}/{r['kv_blocks_total']} ({r['kv_bytes_per_block']} B each), "
+             f"prefix hit rate {r['prefix_hit_rate']:.2f}")
     _emit(r, as_json, human)
 
 

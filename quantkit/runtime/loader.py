@@ -103,7 +103,7 @@ def _clean_config(cfg: dict, folder: Path, trust_remote_code: bool):
 def load_model(path: str, backend: str = "auto", device: Optional[str] = None, dtype: Optional[str] = None,
                trust_remote_code: bool = False):
     """A transformers causal LM whose quantized linears are `QuantLinear`s on `backend`."""
-    from quantkit.sources import parse_dtype, source_dtype
+    from quantkit.sources import parse_dtype
 
     folder = resolve_checkpoint(path)
     cfg = read_config(folder)
@@ -111,7 +111,8 @@ def load_model(path: str, backend: str = "auto", device: Optional[str] = None, d
     files = safetensors_files(folder)
     device = torch.device(device or "cpu")
     if not qcfg:
-        return _load_plain(folder, files, parse_dtype(dtype), device, trust_remote_code)
+        return _load_plain(folder, files, parse_dtype(dtype) or default_compute_dtype(None, device), device,
+                           trust_remote_code)
     if not isinstance(qcfg, dict):
         raise QuantkitError(f"{folder}/config.json: quantization_config must be an object")
     method = qcfg.get("quant_method")
@@ -126,7 +127,7 @@ def load_model(path: str, backend: str = "auto", device: Optional[str] = None, d
 
     fmt = get_format(QUANT_METHOD_TO_FORMAT[method])
     config = _clean_config(cfg, folder, trust_remote_code)
-    act_dtype = parse_dtype(dtype) or source_dtype(config)
+    act_dtype = parse_dtype(dtype) or default_compute_dtype(config, device)
     try:
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=act_dtype, trust_remote_code=trust_remote_code)
@@ -148,6 +149,16 @@ def load_model(path: str, backend: str = "auto", device: Optional[str] = None, d
         if isinstance(module, QuantLinear):
             module.set_backend(backend)
     return model
+
+
+def default_compute_dtype(config, device: torch.device) -> Optional[torch.dtype]:
+    """float32 on CPU (its dense bf16 matmuls are ~2x slower here; the packed kernels cast to bf16
+    themselves), the checkpoint's own dtype on accelerators."""
+    from quantkit.sources import source_dtype
+
+    if device.type == "cpu":
+        return torch.float32
+    return source_dtype(config) if config is not None else None
 
 
 def _assign_state(model: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:

@@ -1,0 +1,366 @@
+"""AWQ (activation-aware weight quantization) as a quantizer plugin.
+
+Per decoder layer, in `begin_layer` (AutoAWQ's `_search_best_scale` / `_search_best_clip`):
+
+1. One calibration pass with hooks records, for every input group of the architecture adapter
+   (norm -> q/k/v, v -> o, norm -> gate/up, up -> down, ...), the mean |x| per input channel over
+   all calibration tokens, the inputs of the group's ``inspect`` module (a token subsample, see
+   ``max_search_tokens``) and a strided token subsample of every clipped linear's input.
+2. Scale search, per group, on the layer's original weights: for alpha in {0, 1/n, ..., (n-1)/n}
+   s = x_mean^alpha (``duo_scaling``: / (w_mean^(1-alpha) + 1e-4), w_mean being the mean of the
+   group-normalised |W| per input channel), clamped at 1e-4 and normalised by sqrt(max*min);
+   the group's linears become fake_quant(W*s)/s and the loss is the MSE of the ``inspect``
+   module's output (attention block for q/k/v, MLP for gate/up, the linear itself otherwise)
+   against its full-precision output. The first alpha with the lowest loss wins.
+3. The chosen scales are folded into ``prev`` (``fold_scales``: exact in full precision), and
+   the cached clip inputs of the group's linears are divided by s, as AutoAWQ's ``apply_scale``
+   does, so they are what the scaled linears will actually see.
+4. Clipping search (``clip``), per linear except q/k: per (output row, group) the range
+   [min(wmin, 0), max(wmax, 0)] is shrunk by r in {1, 1 - 1/n, ..., > 1 - max_shrink}
+   (AutoAWQ's grid: 1.0 ... 0.55 by default), the weights are clamped to it and fake-quantized,
+   and the r with the lowest error of the group's partial output x_g . w_g on the sampled tokens
+   wins; the weights are clamped in place.
+
+`quantize_linear` then only rounds the scaled, clipped weight to nearest (`grid.rtn_quantize`),
+with the same grid the search simulated. The chosen alphas, loss curves and clip ratios are kept
+per layer in ``search_log``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.models.folding import fold_scales
+from quantkit.quantizers.base import LayerContext, Quantizer, register_quantizer
+from quantkit.quantizers.grid import compute_qparams, fake_quantize, rtn_quantize
+from quantkit.scheme import LinearScheme
+
+# AutoAWQ's avoid_clipping list (["q_", "k_", "query", "key", "Wqkv"]) plus fused qkv_proj (Phi-3):
+# clipping q/k hurts attention scores more than it saves in rounding error.
+CLIP_SKIP = ("q_", "k_", "query", "key", "wqkv", "qkv_proj")
+SCALE_EPS = 1e-4  # AutoAWQ: denominator guard and lower clamp of the scales
+_CLIP_CHUNK_ELEMS = 1 << 25  # bound on the [groups, tokens, rows] error tensor of the clip search
+
+
+def skips_clip(name: str) -> bool:
+    leaf = name.rsplit(".", 1)[-1].lower()
+    return any(p in leaf for p in CLIP_SKIP)
+
+
+def fake_quantize_grouped(w: torch.Tensor, scheme: LinearScheme) -> torch.Tensor:
+    """Quantize-dequantize ``w`` [N, K] per group with `grid`'s conventions (what rtn_quantize stores)."""
+    n, k = w.shape
+    gs = k if scheme.group_size == -1 else scheme.group_size
+    wg = w.float().reshape(-1, gs)
+    scale, zero = compute_qparams(wg, scheme.bits, scheme.sym)
+    return fake_quantize(wg, scale, zero, scheme.bits).reshape(n, k).to(w.dtype)
+
+
+def weight_mean(weights: list[torch.Tensor], group_sizes: list[int]) -> torch.Tensor:
+    """AutoAWQ's w_mean: |W| normalised by each quantization group's absmax, averaged over all output rows."""
+    rows = []
+    for w, g in zip(weights, group_sizes):
+        n, k = w.shape
+        gs = k if g == -1 else g
+        wg = w.detach().float().abs().reshape(-1, gs)
+        rows.append((wg / (wg.amax(dim=1, keepdim=True) + 1e-6)).reshape(n, k))
+    return torch.cat(rows, dim=0).mean(0)
+
+
+def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, alpha: float) -> torch.Tensor:
+    """s for one grid point, exactly as AutoAWQ's _compute_best_scale builds it."""
+    if w_mean is not None:
+        s = x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + SCALE_EPS)
+    else:
+        s = x_mean.pow(alpha)
+    s = s.clamp(min=SCALE_EPS)
+    s = s / (s.max() * s.min()).sqrt()
+    s[~torch.isfinite(s)] = 1.0
+    return s
+
+
+def clip_ratios_grid(n_grid: int, max_shrink: float) -> list[float]:
+    """AutoAWQ's shrink grid: 1 - i/n_grid for i < max_shrink*n_grid (1.0, 0.95, ..., 0.55 by default)."""
+    return [1.0 - i / n_grid for i in range(max(1, int(max_shrink * n_grid)))]
+
+
+def _clip_bounds(w: torch.Tensor, gs: int):
+    """Per (row, group) range [min(wmin,0), max(wmax,0)] of w [N, K] as [N, G, 1] tensors."""
+    n, k = w.shape
+    wg = w.float().reshape(n, k // gs, gs)
+    return wg.amin(dim=2, keepdim=True).clamp(max=0.0), wg.amax(dim=2, keepdim=True).clamp(min=0.0)
+
+
+def clip_weight(w: torch.Tensor, ratios: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``w`` [N, K] clamped per (row, group) to [min(wmin,0)*r, max(wmax,0)*r] with r = ratios [N, G]."""
+    n, k = w.shape
+    gs = k if group_size == -1 else group_size
+    lo, hi = _clip_bounds(w, gs)
+    r = ratios.to(device=w.device, dtype=torch.float32).reshape(n, k // gs, 1)
+    wg = w.float().reshape(n, k // gs, gs)
+    return torch.maximum(torch.minimum(wg, hi * r), lo * r).reshape(n, k).to(w.dtype)
+
+
+@torch.no_grad()
+def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: LinearScheme, n_grid: int = 20, max_shrink: float = 0.5,
+                return_errors: bool = False):
+    """Best clip ratio per (output row, group) of ``w`` [N, K] for inputs ``x`` [T, K].
+
+    The error of a ratio is mean over tokens of (x_g . (q(clip(w_g)) - w_g))^2, the squared error
+    of the group's partial output (AutoAWQ's _compute_best_clip). Ties keep the larger ratio.
+    Returns ratios [N, G] (and errors [n_ratios, N, G] when asked).
+    """
+    n, k = w.shape
+    gs = k if scheme.group_size == -1 else scheme.group_size
+    g = k // gs
+    ratios = clip_ratios_grid(n_grid, max_shrink)
+    x = x.reshape(-1, k).to(device=w.device, dtype=torch.float32)
+    t = x.shape[0]
+    xg = x.reshape(t, g, gs).permute(1, 0, 2).contiguous()  # [G, T, gs]
+    w = w.float()
+    best_err = torch.full((n, g), float("inf"), device=w.device)
+    best_ratio = torch.ones((n, g), device=w.device)
+    all_err = [] if return_errors else None
+    chunk = max(1, min(n, _CLIP_CHUNK_ELEMS // max(1, g * t)))
+    for r in ratios:
+        err_r = torch.empty((n, g), device=w.device)
+        for start in range(0, n, chunk):
+            wc = w[start:start + chunk]
+            rows = wc.shape[0]
+            q = fake_quantize_grouped(clip_weight(wc, torch.full((rows, g), r), gs), scheme)
+            d = (q - wc).reshape(rows, g, gs).permute(1, 2, 0)  # [G, gs, rows]
+            err_r[start:start + rows] = torch.bmm(xg, d).pow(2).mean(dim=1).t()  # [rows, G]
+        better = err_r < best_err
+        best_err = torch.where(better, err_r, best_err)
+        best_ratio = torch.where(better, torch.full_like(best_ratio, r), best_ratio)
+        if all_err is not None:
+            all_err.append(err_r)
+    if return_errors:
+        return best_ratio, torch.stack(all_err)
+    return best_ratio
+
+
+# ----------------------------------------------------------------------------- capture
+
+def _slice_batch(obj, rows: int, batch: int, seq: int):
+    """Keep the first ``rows`` sequences of a batch of ``batch`` x ``seq`` tokens in nested args.
+
+    Tensors with a leading batch dim are cut to ``rows``; flattened token tensors ([batch*seq, ...],
+    e.g. OPT's fc1 input) to ``rows*seq``; everything else (rotary tables with batch 1, None) is kept.
+    """
+    if rows >= batch:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() >= 2 and obj.shape[0] == batch:
+            return obj[:rows]
+        if obj.dim() >= 2 and obj.shape[0] == batch * seq and seq > 1:
+            return obj[: rows * seq]
+        return obj
+    if isinstance(obj, tuple):
+        return tuple(_slice_batch(o, rows, batch, seq) for o in obj)
+    if isinstance(obj, list):
+        return [_slice_batch(o, rows, batch, seq) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _slice_batch(v, rows, batch, seq) for k, v in obj.items()}
+    return obj
+
+
+def _first_output(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+class _Capture:
+    """What one hooked calibration pass of a layer collects for the searches."""
+
+    def __init__(self):
+        self.x_abs_sum: dict[str, torch.Tensor] = {}  # first linear of a group -> sum |x| per channel
+        self.x_count: dict[str, int] = {}
+        self.inspect_inputs: dict[str, list] = {}  # inspect module -> [(args, kwargs)] of the sampled batches
+        self.clip_x: dict[str, list] = {}  # clipped linear -> [tokens, K] pieces
+        self.calls: dict[str, int] = {}
+
+
+@register_quantizer
+class AWQQuantizer(Quantizer):
+    name = "awq"
+    default_sym = False
+    default_format = "awq"
+    needs_calibration = True
+    options_spec = {
+        "duo_scaling": True,  # s = x_mean^a / w_mean^(1-a) (AutoAWQ's default) instead of x_mean^a
+        "n_grid": 20,  # alpha grid {0, 1/n, ..., (n-1)/n}
+        "max_search_tokens": 4096,  # tokens (whole sequences) the scale-search loss runs on; 0: all
+        "clip": True,  # search and apply per-group weight clipping
+        "clip_n_grid": 20,
+        "clip_max_shrink": 0.5,  # ratios 1.0 down to (not including) 1 - max_shrink
+        "clip_search_tokens": 512,  # strided token sample for the clip error (AutoAWQ's n_sample_token)
+    }
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        o = self.options
+        for key in ("n_grid", "clip_n_grid"):
+            if not isinstance(o[key], int) or isinstance(o[key], bool) or o[key] < 1:
+                raise QuantkitError(f"awq option {key} must be a positive integer, got {o[key]!r}")
+        for key in ("max_search_tokens", "clip_search_tokens"):
+            if o[key] is not None and (not isinstance(o[key], int) or isinstance(o[key], bool) or o[key] < 0):
+                raise QuantkitError(f"awq option {key} must be a non-negative integer (0: all tokens), got {o[key]!r}")
+        if not 0 < float(o["clip_max_shrink"]) < 1:
+            raise QuantkitError(f"awq option clip_max_shrink must be in (0, 1), got {o['clip_max_shrink']!r}")
+        self.search_log: dict[int, dict[str, Any]] = {}
+
+    # -- driver hooks --------------------------------------------------------------------
+    def begin_layer(self, ctx: LayerContext) -> None:
+        t0 = time.perf_counter()
+        layer = ctx.layer
+        groups = [g for g in ctx.adapter.input_groups(layer, ctx.config) if any(n in ctx.schemes for n in g.linears)]
+        targets = [n for n in ctx.adapter.linear_names(layer) if n in ctx.schemes]
+        clip_targets = [n for n in targets if not skips_clip(n)] if self.options["clip"] else []
+        log: dict[str, Any] = {"groups": [], "clip": {}}
+        self.search_log[ctx.index] = log
+        if not ctx.inputs or not targets:
+            return
+
+        cap = self._capture(ctx, groups, clip_targets)
+        searched = [(g, self._search_group(layer, g, cap, ctx.schemes)) for g in groups]
+        for group, found in searched:
+            fold_scales(layer, group, found["scales"])
+            for name in group.linears:
+                if name in cap.clip_x:
+                    s = found["scales"].to(cap.clip_x[name].device)
+                    cap.clip_x[name] = cap.clip_x[name] / s
+            log["groups"].append({"prev": group.prev, "linears": group.linears, "inspect": group.inspect,
+                                  "alpha": found["alpha"], "losses": found["losses"],
+                                  "scales": found["scales"].detach().cpu()})
+        cap.inspect_inputs.clear()
+        for name in clip_targets:
+            x = cap.clip_x.pop(name)
+            lin = layer.get_submodule(name)
+            scheme = ctx.schemes[name]
+            ratios = search_clip(lin.weight.data, x, scheme, int(self.options["clip_n_grid"]),
+                                 float(self.options["clip_max_shrink"]))
+            with torch.no_grad():
+                lin.weight.data = clip_weight(lin.weight.data, ratios, scheme.group_size)
+            log["clip"][name] = ratios.cpu()
+        log["seconds"] = time.perf_counter() - t0
+
+    def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme):
+        return rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias)
+
+    def format_extra(self) -> dict:
+        # The awq layout writes zero_point/version itself; anything here would also land in gptq /
+        # compressed-tensors configs (whose "version" key means something else).
+        return {}
+
+    # -- internals -------------------------------------------------------------------------
+    def _plan(self, inputs: list) -> list[int]:
+        """Sequences of each calibration batch used by the scale-search loss (whole sequences, in order)."""
+        budget = self.options["max_search_tokens"]
+        plan = []
+        if not budget:
+            return [hidden.shape[0] for hidden, _ in inputs]
+        left = int(budget)
+        for hidden, _ in inputs:
+            b, t = hidden.shape[0], hidden.shape[1] if hidden.dim() > 2 else 1
+            rows = 0 if left <= 0 else min(b, max(1, math.ceil(left / t)))
+            plan.append(rows)
+            left -= rows * t
+        return plan
+
+    @torch.no_grad()
+    def _capture(self, ctx: LayerContext, groups, clip_targets) -> _Capture:
+        layer = ctx.layer
+        cap = _Capture()
+        plan = self._plan(ctx.inputs)
+        shapes = [(h.shape[0], h.shape[1] if h.dim() > 2 else 1) for h, _ in ctx.inputs]
+        total_tokens = sum(b * t for b, t in shapes)
+        n_clip = self.options["clip_search_tokens"]
+        stride = 1 if not n_clip else max(1, total_tokens // int(n_clip))
+        offsets = [sum(b * t for b, t in shapes[:i]) for i in range(len(shapes))]
+
+        mean_of = {g.linears[0] for g in groups}
+        inspect_of = {g.inspect for g in groups}
+        names = sorted(mean_of | inspect_of | set(clip_targets))
+        clip_set = set(clip_targets)
+
+        def make_hook(name):
+            def hook(module, args, kwargs):
+                i = cap.calls.get(name, 0)
+                cap.calls[name] = i + 1
+                if i >= len(shapes):
+                    raise QuantkitError(f"awq: '{name}' ran more than once per calibration batch; unsupported layout")
+                x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
+                if name in mean_of or name in clip_set:
+                    x2 = x.detach().reshape(-1, x.shape[-1])
+                if name in mean_of:
+                    s = x2.float().abs().sum(0)
+                    cap.x_abs_sum[name] = s if name not in cap.x_abs_sum else cap.x_abs_sum[name] + s
+                    cap.x_count[name] = cap.x_count.get(name, 0) + x2.shape[0]
+                if name in inspect_of and plan[i] > 0:
+                    b, t = shapes[i]
+                    cap.inspect_inputs.setdefault(name, []).append(
+                        (_slice_batch(args, plan[i], b, t), _slice_batch(kwargs, plan[i], b, t)))
+                if name in clip_set:
+                    first = (-offsets[i]) % stride
+                    cap.clip_x.setdefault(name, []).append(x2[first::stride].float().clone())
+
+            return hook
+
+        handles = [layer.get_submodule(n).register_forward_pre_hook(make_hook(n), with_kwargs=True) for n in names]
+        try:
+            ctx.run_layer()
+        finally:
+            for h in handles:
+                h.remove()
+        for name in names:
+            if cap.calls.get(name, 0) != len(shapes):
+                raise QuantkitError(f"awq: '{name}' ran {cap.calls.get(name, 0)} times for {len(shapes)} "
+                                    "calibration batches; unsupported layout")
+        cap.clip_x = {n: torch.cat(v) for n, v in cap.clip_x.items()}
+        return cap
+
+    def _run_inspect(self, module: nn.Module, batches: list) -> list[torch.Tensor]:
+        return [_first_output(module(*args, **kwargs)) for args, kwargs in batches]
+
+    @torch.no_grad()
+    def _search_group(self, layer: nn.Module, group, cap: _Capture, schemes: dict[str, LinearScheme]) -> dict:
+        first = group.linears[0]
+        x_mean = (cap.x_abs_sum[first] / max(1, cap.x_count[first])).float()
+        quantized = [n for n in group.linears if n in schemes]
+        linears = {n: layer.get_submodule(n) for n in quantized}
+        w_mean = None
+        if self.options["duo_scaling"]:
+            w_mean = weight_mean([m.weight for m in linears.values()], [schemes[n].group_size for n in quantized])
+        inspect = layer.get_submodule(group.inspect)
+        batches = cap.inspect_inputs[group.inspect]
+        reference = self._run_inspect(inspect, batches)
+        numel = sum(r.numel() for r in reference)
+        originals = {n: m.weight.data.clone() for n, m in linears.items()}
+        n_grid = int(self.options["n_grid"])
+        losses: list[float] = []
+        best = (math.inf, None, None)
+        try:
+            for i in range(n_grid):
+                alpha = i / n_grid
+                s = candidate_scales(x_mean, w_mean, alpha)
+                for n, m in linears.items():
+                    w = originals[n]
+                    sv = s.to(device=w.device, dtype=torch.float32).view(1, -1)
+                    m.weight.data = (fake_quantize_grouped(w.float() * sv, schemes[n]) / sv).to(w.dtype)
+                out = self._run_inspect(inspect, batches)
+                loss = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference)) / numel
+                losses.append(loss)
+                if loss < best[0]:
+                    best = (loss, alpha, s.clone())
+        finally:
+            for n, m in linears.items():
+                m.weight.data = originals[n]
+        if best[2] is None:
+            raise QuantkitError(f"awq: the scale search for {group.linears} produced no finite loss; "
+                                "the calibration data or weights contain NaN/inf")
+        return {"alpha": best[1], "scales": best[2], "losses": losses}
