@@ -133,13 +133,7 @@ def quantize_model(
                 continue
             modules = {n: layer.get_submodule(n) for n in stage}
             if needs_data:
-                handles = [m.register_forward_hook(_observer(quantizer, n)) for n, m in modules.items()]
-                try:
-                    with torch.no_grad():
-                        run_layer()
-                finally:
-                    for h in handles:
-                        h.remove()
+                _observe_stage(layer, modules, quantizer, inputs, device, compute_dtype)
             for n, m in modules.items():
                 with torch.no_grad():
                     qw = quantizer.quantize_linear(n, m, layer_schemes[n])
@@ -161,11 +155,33 @@ def quantize_model(
     return results
 
 
-def _observer(quantizer: Quantizer, name: str):
-    def hook(module, args, output):
-        quantizer.observe(name, module, args[0].detach())
+@torch.no_grad()
+def _observe_stage(layer, modules: dict, quantizer: Quantizer, inputs: list, device, compute_dtype) -> None:
+    """Feed the stage's linears' inputs to the quantizer, stopping each batch's forward as soon as
+    every linear of the stage has been seen: the rest of the layer is not needed yet (for the first
+    stage that skips almost the whole layer), which roughly halves true-sequential calibration."""
+    seen: set[str] = set()
 
-    return hook
+    def observer(name):
+        def hook(module, args):
+            quantizer.observe(name, module, args[0].detach())
+            seen.add(name)
+            if len(seen) == len(modules):
+                raise _StopForward
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(observer(n)) for n, m in modules.items()]
+    try:
+        for hidden, kwargs in inputs:
+            seen.clear()
+            try:
+                layer(_to(hidden, device).to(compute_dtype), **_to(kwargs, device))
+            except _StopForward:
+                pass
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _check_finite(name: str, qw: QuantizedWeight) -> None:
