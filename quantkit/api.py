@@ -1,7 +1,9 @@
 """The Python surface: `quantize`, `load`, `evaluate`. The CLI is a thin shell over these."""
 from __future__ import annotations
 
+import hashlib
 import resource
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -9,6 +11,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from quantkit import __version__
 from quantkit.errors import QuantkitError
 from quantkit.quantizers.base import Quantizer, get_quantizer
 from quantkit.scheme import QuantScheme, load_recipe, parse_group_size, scheme_from_dict
@@ -59,11 +62,19 @@ def quantize(
     batch_size: int = 8,
     eval_after: bool = False,
     progress: bool = True,
+    resume: bool = False,
+    streaming: Optional[bool] = None,
 ) -> dict[str, Any]:
-    """Quantize `model` with `method` and write a packed checkpoint; returns a summary dict."""
+    """Quantize `model` with `method` and write a packed checkpoint; returns a summary dict.
+
+    Progress is kept per layer in the output's hidden staging folder: after a crash, the same call
+    with `resume=True` continues from the last finished layer and writes identical bytes.
+    `streaming=None` reads decoder layers from disk one at a time when the model would not fit
+    comfortably in memory (True/False force it)."""
     from quantkit import data
     from quantkit.calibrate import quantize_model
-    from quantkit.checkpoint import check_output_dir, write_checkpoint
+    from quantkit.checkpoint import check_output_dir, staging_dir, write_checkpoint
+    from quantkit.progress import ProgressStore, run_fingerprint
     from quantkit.formats import get_format
     from quantkit.models import get_adapter
     from quantkit.sources import load_source_model, parse_dtype, source_dtype
@@ -91,7 +102,8 @@ def quantize(
         check_output_dir(Path(output), overwrite)
     compute_device = torch.device(device or "cpu")
 
-    hf_model, tokenizer, base_name = load_source_model(model, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    hf_model, tokenizer, base_name, layer_source = load_source_model(
+        model, dtype=torch.float32, trust_remote_code=trust_remote_code, streaming=streaming)
     save_dtype = parse_dtype(dtype) or source_dtype(hf_model.config)
     adapter = get_adapter(hf_model)
     schemes = scheme.resolve(linear_shapes(hf_model))
@@ -107,22 +119,29 @@ def quantize(
     if quantizer.needs_calibration:
         input_ids = data.calibration_batches(dataset, tokenizer, num_samples=num_samples, seq_len=seq_len, seed=seed,
                                              chat_template=chat_template)
-    results = quantize_model(hf_model, adapter, quantizer, schemes, input_ids, device=compute_device,
-                             batch_size=batch_size, progress=progress)
     method_info = {**quantizer.describe(), "seed": seed}
     if quantizer.needs_calibration:
         method_info.update({"calibration": str(dataset) if isinstance(dataset, (str, Path)) else type(dataset).__name__,
                             "num_samples": num_samples, "seq_len": seq_len})
+    store = ProgressStore(staging_dir(output))
+    store.start(run_fingerprint(model=model, scheme=scheme, format=format_name, method=method_info, dtype=save_dtype,
+                                batch_size=batch_size, chat_template=chat_template, version=__version__,
+                                calibration_digest=_digest(input_ids)), resume=resume)
+    try:
+        results = quantize_model(hf_model, adapter, quantizer, schemes, input_ids, device=compute_device,
+                                 batch_size=batch_size, progress=progress, store=store, layer_source=layer_source)
+        ignore_names = sorted(n for n in linear_shapes(hf_model) if n not in schemes)
+        write_checkpoint(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), format_name, method_info,
+                         quantizer.format_extra(), base_name, save_dtype, ignore_names, max_shard_size=max_shard_size,
+                         overwrite=overwrite)
+    except QuantkitError:
+        if not store.done_layers():
+            shutil.rmtree(store.folder, ignore_errors=True)  # nothing worth resuming: leave no trace
+        raise
     metrics = None
     if eval_after:
-        from quantkit.evaluate import perplexity
-
-        hf_model.to(save_dtype)
-        stream = data.eval_token_stream(dataset if isinstance(dataset, (str, Path)) else DEFAULTS["dataset"], tokenizer)
-        metrics = {"perplexity (fake-quant, held-out)": round(perplexity(hf_model, stream, seq_len=512)["perplexity"], 4)}
-    ignore_names = sorted(n for n in linear_shapes(hf_model) if n not in schemes)
-    write_checkpoint(output, hf_model, tokenizer, results, format_name, method_info, quantizer.format_extra(), base_name,
-                     save_dtype, ignore_names, max_shard_size=max_shard_size, overwrite=overwrite, metrics=metrics)
+        del hf_model
+        metrics = _record_perplexity(output, dataset)
     bits_used = sorted({s.bits for s in schemes.values()})
     return {
         "output": str(output),
@@ -131,10 +150,29 @@ def quantize(
         "group_size": groups[0] if len(groups) == 1 else groups,
         "format": format_name,
         "quantized_linears": len(results),
+        "streaming": layer_source is not None,
         "seconds": round(time.perf_counter() - t0, 3),
         "peak_rss_mb": round(peak_rss_mb(), 1),
         **({"metrics": metrics} if metrics else {}),
     }
+
+
+def _digest(input_ids: Optional[torch.Tensor]) -> Optional[str]:
+    """Identifies the exact calibration tokens, so --resume refuses a run fed different data."""
+    if input_ids is None:
+        return None
+    return hashlib.sha256(input_ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
+
+
+def _record_perplexity(output: Path, dataset) -> dict[str, Any]:
+    """Score the written checkpoint (through the real packed runtime) and add it to its model card."""
+    from quantkit.checkpoint import append_card_metrics
+
+    r = evaluate(output, dataset=dataset if isinstance(dataset, (str, Path)) else DEFAULTS["dataset"])
+    metrics = {"held-out perplexity": round(r["perplexity"], 4), "perplexity tokens": r["tokens"],
+               "perplexity dataset": str(dataset)}
+    append_card_metrics(output, metrics)
+    return metrics
 
 
 def _make_quantizer(method: Union[str, Quantizer], options: dict) -> Quantizer:

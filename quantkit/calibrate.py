@@ -10,7 +10,7 @@ Only one decoder layer lives on the compute device; activations stay on `activat
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from quantkit.errors import QuantkitError
 from quantkit.qtensor import QuantizedWeight
+from quantkit.progress import LayerRecord, ProgressStore
 from quantkit.quantizers.base import LayerContext, Quantizer
 from quantkit.scheme import LinearScheme
 
@@ -92,29 +93,35 @@ def quantize_model(
     compute_dtype: torch.dtype = torch.float32,
     batch_size: int = 8,
     progress: bool = True,
-    on_layer_done: Optional[Callable[[int, dict[str, QuantizedWeight]], None]] = None,
+    store: Optional[ProgressStore] = None,
+    layer_source=None,
 ) -> dict[str, QuantizedWeight]:
     """Quantize every linear named in `schemes` (full names) and return their QuantizedWeights.
 
     The model's linears are left fake-quantized (weights replaced by their dequantized values),
-    which is exactly what the next layer must see during calibration.
+    which is exactly what the next layer must see during calibration. With a `store`, each
+    finished layer is saved and layers already there are restored instead of recomputed (resume);
+    with a `layer_source` (streaming), a layer's weights are read from disk only while it is
+    processed and dropped afterwards.
     """
     layers = adapter.decoder_layers(model)
     prefix = adapter.layers_prefix(model)
     needs_data = quantizer.needs_calibration
     if needs_data and input_ids is None:
         raise QuantkitError(f"method {quantizer.name!r} needs calibration data; pass --dataset")
+    done = set(store.done_layers()) if store is not None else set()
 
     inputs = capture_layer_inputs(model, adapter, input_ids, batch_size, device, activation_device) if needs_data else []
     results: dict[str, QuantizedWeight] = {}
     bar = tqdm(range(len(layers)), desc=f"{quantizer.name}", unit="layer", disable=not progress)
     for i in bar:
         t0 = time.perf_counter()
+        if layer_source is not None:
+            layer_source.materialize(i)
         layer = layers[i]
         original_dtype = next(layer.parameters()).dtype
         layer.to(device=device, dtype=compute_dtype)
         layer_prefix = f"{prefix}.{i}."
-        layer_schemes = {n[len(layer_prefix):]: s for n, s in schemes.items() if n.startswith(layer_prefix)}
 
         def run_layer(layer=layer):
             outs = []
@@ -123,36 +130,72 @@ def quantize_model(
                 outs.append(_layer_output(out).to(activation_device))
             return outs
 
-        ctx = LayerContext(index=i, layer=layer, prefix=layer_prefix, adapter=adapter, config=model.config,
-                           schemes=layer_schemes, inputs=inputs, run_layer=run_layer)
-        quantizer.begin_layer(ctx)
-        layer_results = {}
-        for stage in quantizer.stages(ctx):
-            stage = [n for n in stage if n in layer_schemes]
-            if not stage:
-                continue
-            modules = {n: layer.get_submodule(n) for n in stage}
-            if needs_data:
-                _observe_stage(layer, modules, quantizer, inputs, device, compute_dtype)
-            for n, m in modules.items():
-                with torch.no_grad():
-                    qw = quantizer.quantize_linear(n, m, layer_schemes[n])
-                    _check_finite(layer_prefix + n, qw)
-                    m.weight.data = qw.dequantize(m.weight.dtype).to(m.weight.device)
-                layer_results[layer_prefix + n] = _to_cpu(qw)
+        if i in done:
+            record = store.load_layer(i)
+            _restore_layer(layer, layer_prefix, record)
+            layer_results = record.quantized
+        else:
+            layer_schemes = {n[len(layer_prefix):]: s for n, s in schemes.items() if n.startswith(layer_prefix)}
+            ctx = LayerContext(index=i, layer=layer, prefix=layer_prefix, adapter=adapter, config=model.config,
+                               schemes=layer_schemes, inputs=inputs, run_layer=run_layer)
+            layer_results = _quantize_layer(ctx, quantizer, needs_data, device, compute_dtype)
         if needs_data:
             with torch.no_grad():
                 inputs[:] = [(out, kwargs) for out, (_, kwargs) in zip(run_layer(), inputs)]
-        quantizer.end_layer(ctx)
+        if i not in done:
+            quantizer.end_layer(ctx)
         layer.to(device="cpu", dtype=original_dtype) if str(device) != "cpu" else layer.to(dtype=original_dtype)
+        if store is not None and i not in done:
+            store.save_layer(LayerRecord(index=i, quantized=layer_results, other=_other_tensors(layer, layer_prefix, layer_results)))
         results.update(layer_results)
-        if on_layer_done is not None:
-            on_layer_done(i, layer_results)
+        if layer_source is not None:
+            layer_source.release(i)
         bar.set_postfix(layer_s=f"{time.perf_counter() - t0:.2f}")
     missing = set(schemes) - set(results)
     if missing:
         raise QuantkitError(f"{len(missing)} target linears lie outside the decoder layers (e.g. {sorted(missing)[0]}); add them to --ignore")
     return results
+
+
+def _quantize_layer(ctx: LayerContext, quantizer: Quantizer, needs_data: bool, device, compute_dtype) -> dict[str, QuantizedWeight]:
+    """begin_layer, then each stage: observe its linears' inputs, quantize, fake-quantize in place."""
+    quantizer.begin_layer(ctx)
+    layer_results = {}
+    for stage in quantizer.stages(ctx):
+        stage = [n for n in stage if n in ctx.schemes]
+        if not stage:
+            continue
+        modules = {n: ctx.layer.get_submodule(n) for n in stage}
+        if needs_data:
+            _observe_stage(ctx.layer, modules, quantizer, ctx.inputs, device, compute_dtype)
+        for n, m in modules.items():
+            with torch.no_grad():
+                qw = quantizer.quantize_linear(n, m, ctx.schemes[n])
+                _check_finite(ctx.prefix + n, qw)
+                m.weight.data = qw.dequantize(m.weight.dtype).to(m.weight.device)
+            layer_results[ctx.prefix + n] = _to_cpu(qw)
+    return layer_results
+
+
+def _other_tensors(layer, layer_prefix: str, quantized: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
+    """Every tensor of the layer that is not a quantized linear's weight/bias (norms, ignored linears)."""
+    skip = {f"{name[len(layer_prefix):]}.{t}" for name in quantized for t in ("weight", "bias")}
+    return {layer_prefix + k: v.detach().cpu().clone() for k, v in layer.state_dict().items() if k not in skip}
+
+
+def _restore_layer(layer, layer_prefix: str, record: LayerRecord) -> None:
+    """Put a saved layer back: fake-quantized linears from their results, everything else as saved."""
+    with torch.no_grad():
+        for name, qw in record.quantized.items():
+            m = layer.get_submodule(name[len(layer_prefix):])
+            m.weight.data = qw.dequantize(m.weight.dtype).to(m.weight.device)
+        state = {k[len(layer_prefix):]: v for k, v in record.other.items()}
+        missing = [k for k in state if k not in layer.state_dict()]
+        if missing:
+            raise QuantkitError(f"--resume: saved layer {record.index} does not match the model (tensor {missing[0]})")
+        for k, v in state.items():
+            target = layer.get_parameter(k) if k in dict(layer.named_parameters()) else layer.get_buffer(k)
+            target.data = v.to(device=target.device, dtype=target.dtype)
 
 
 @torch.no_grad()

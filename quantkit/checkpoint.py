@@ -1,7 +1,7 @@
 """Writing a packed, Hub-ready checkpoint folder, atomically.
 
-Everything goes into a hidden staging folder beside the destination and is renamed into place at
-the end, so an interrupted run never leaves a half-written output and never touches what the user
+Everything goes into the run's hidden staging folder beside the destination (where the per-layer
+progress already lives, see progress.py) and is renamed into place at the end, so an interrupted run never leaves a half-written output and never touches what the user
 already had there. Tensors are packed by the format module (the same one the loader unpacks with).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from quantkit import __version__
 from quantkit.errors import QuantkitError
 from quantkit.formats import get_format
 from quantkit.formats.spec import LinearSpec
-from quantkit.qtensor import QuantizedWeight
+from quantkit.progress import LAYER_DIR, RUN_FILE, ProgressStore
 
 
 def staging_dir(output: Path) -> Path:
@@ -32,44 +32,44 @@ def check_output_dir(output: Path, overwrite: bool) -> None:
         raise QuantkitError(f"output {output} exists and is not a folder; choose another --output")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         raise QuantkitError(f"output folder {output} is not empty; pass --overwrite or choose another --output")
-    if staging_dir(output).exists():
-        raise QuantkitError(f"found the partial folder {staging_dir(output)} of an interrupted run; delete it to start over")
 
 
-def linear_specs(results: dict[str, QuantizedWeight]) -> dict[str, LinearSpec]:
-    return {
-        name: LinearSpec(out_features=qw.shape[0], in_features=qw.shape[1], bits=qw.bits, group_size=qw.group_size,
-                         sym=qw.sym, act_order=qw.act_order)
-        for name, qw in results.items()
-    }
-
-
-def build_state_dict(model, results: dict[str, QuantizedWeight], format_name: str, save_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Unquantized tensors in `save_dtype`, each quantized linear replaced by its packed tensors."""
+def build_state_dict(model, store: ProgressStore, layers_prefix: str, format_name: str,
+                     save_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, LinearSpec]]:
+    """Unquantized tensors in `save_dtype`; each decoder layer from its progress record, with the
+    quantized linears packed by the format module (the same one the loader unpacks with)."""
     fmt = get_format(format_name)
     state: dict[str, torch.Tensor] = {}
+    specs: dict[str, LinearSpec] = {}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for key, tensor in model.state_dict().items():
-        module = key.rsplit(".", 1)[0]
-        if module in results:
+        if key.startswith(layers_prefix + ".") or (tied and key == "lm_head.weight"):
             continue
-        if tied and key == "lm_head.weight":
-            continue
-        t = tensor.detach()
-        state[key] = (t.to(save_dtype) if t.is_floating_point() else t).contiguous().clone()
-    for name, qw in results.items():
-        for suffix, tensor in fmt.pack(qw).items():
-            state[f"{name}.{suffix}"] = tensor.contiguous()
-        if qw.bias is not None:
-            state[f"{name}.bias"] = qw.bias.to(torch.float16).contiguous()
-    return state
+        state[key] = _cast(tensor, save_dtype)
+    for index in store.done_layers():
+        record = store.load_layer(index)
+        for name, qw in record.quantized.items():
+            for suffix, tensor in fmt.pack(qw).items():
+                state[f"{name}.{suffix}"] = tensor.contiguous()
+            if qw.bias is not None:
+                state[f"{name}.bias"] = qw.bias.to(torch.float16).contiguous()
+            specs[name] = LinearSpec.of(qw)
+        for key, tensor in record.other.items():
+            state[key] = _cast(tensor, save_dtype)
+    return state, specs
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    t = tensor.detach()
+    return (t.to(dtype) if t.is_floating_point() else t).contiguous().clone()
 
 
 def write_checkpoint(
     output: Path,
     model,
     tokenizer,
-    results: dict[str, QuantizedWeight],
+    store: ProgressStore,
+    layers_prefix: str,
     format_name: str,
     method: dict[str, Any],
     format_extra: dict[str, Any],
@@ -80,31 +80,31 @@ def write_checkpoint(
     overwrite: bool = False,
     metrics: Optional[dict[str, Any]] = None,
 ) -> Path:
-    """Write the whole folder into a staging area, then rename it into `output`."""
+    """Write the checkpoint into the run's staging folder, drop the progress files, rename into place."""
     output = Path(output)
     check_output_dir(output, overwrite)
     fmt = get_format(format_name)
-    stage = staging_dir(output)
-    stage.mkdir(parents=True)
-    try:
-        state = build_state_dict(model, results, format_name, save_dtype)
-        _save_sharded(state, stage, max_shard_size)
-        qcfg = fmt.quantization_config(linear_specs(results), ignore, format_extra)
-        _save_config(model, stage, qcfg, save_dtype)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(stage)
-        gen = getattr(model, "generation_config", None)
-        if gen is not None:
-            try:
-                gen.save_pretrained(stage)
-            except (ValueError, OSError):
-                pass
-        (stage / "README.md").write_text(model_card(base_model, format_name, method, qcfg, results, metrics))
-        _normal_permissions(stage)
-        _replace_dir(stage, output)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
+    stage = store.folder
+    for stale in [p for p in stage.iterdir() if p.name not in (LAYER_DIR, RUN_FILE)]:
+        shutil.rmtree(stale) if stale.is_dir() else stale.unlink()  # a crash during an earlier final write
+    state, specs = build_state_dict(model, store, layers_prefix, format_name, save_dtype)
+    _save_sharded(state, stage, max_shard_size)
+    del state
+    qcfg = fmt.quantization_config(specs, ignore, format_extra)
+    _save_config(model, stage, qcfg, save_dtype)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(stage)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        try:
+            gen.save_pretrained(stage)
+        except (ValueError, OSError):
+            pass
+    (stage / "README.md").write_text(model_card(base_model, format_name, method, qcfg, specs, metrics))
+    shutil.rmtree(stage / LAYER_DIR)
+    (stage / RUN_FILE).unlink()
+    _normal_permissions(stage)
+    _replace_dir(stage, output)
     return output
 
 
@@ -156,10 +156,19 @@ def _replace_dir(stage: Path, output: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def model_card(base_model: str, format_name: str, method: dict[str, Any], qcfg: dict, results: dict[str, QuantizedWeight],
+def append_card_metrics(folder: Path, metrics: dict[str, Any]) -> None:
+    """Add a "Measured" section to an existing model card (atomic replace)."""
+    card = folder / "README.md"
+    text = card.read_text().rstrip("\n") + "\n\n## Measured\n\n" + "".join(f"- {k}: {v}\n" for k, v in metrics.items())
+    tmp = card.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, card)
+
+
+def model_card(base_model: str, format_name: str, method: dict[str, Any], qcfg: dict, specs: dict[str, LinearSpec],
                metrics: Optional[dict[str, Any]]) -> str:
-    bits = sorted({qw.bits for qw in results.values()})
-    groups = sorted({qw.group_size for qw in results.values()})
+    bits = sorted({s.bits for s in specs.values()})
+    groups = sorted({s.group_size for s in specs.values()})
     tags = ["quantkit", method.get("method", "quantized"), format_name] + [f"{b}-bit" for b in bits]
     front = ["---", f"base_model: {base_model}", "library_name: transformers", "pipeline_tag: text-generation", "tags:"]
     front += [f"- {t}" for t in dict.fromkeys(tags)]
@@ -175,8 +184,8 @@ def model_card(base_model: str, format_name: str, method: dict[str, Any], qcfg: 
         f"- method: `{method.get('method')}`",
         f"- format: `{format_name}` (quant_method `{qcfg.get('quant_method')}`)",
         f"- bits: {', '.join(map(str, bits))}; group size: {', '.join('per-channel' if g == -1 else str(g) for g in groups)}",
-        f"- symmetric: {sorted({qw.sym for qw in results.values()})}",
-        f"- quantized linears: {len(results)}",
+        f"- symmetric: {sorted({s.sym for s in specs.values()})}",
+        f"- quantized linears: {len(specs)}",
     ]
     for k, v in method.items():
         if k != "method":

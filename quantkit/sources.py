@@ -51,14 +51,21 @@ def source_dtype(config) -> torch.dtype:
     return d if isinstance(d, torch.dtype) and d.is_floating_point else torch.float16
 
 
-def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, trust_remote_code: bool = False):
-    """Load (model, tokenizer, name_for_card) in `dtype` on CPU; refuses already-quantized folders."""
+def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, trust_remote_code: bool = False,
+                      streaming: Optional[bool] = False):
+    """Load (model, tokenizer, name_for_card, layer_source) in `dtype` on CPU; refuses quantized folders.
+
+    `layer_source` is None for a whole model in memory; with streaming (True, or None = decide from
+    the model's size against available memory) the decoder layers stay on the meta device and the
+    returned LazyLayers reads each from disk when the driver gets to it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(model)
     p = Path(path)
     if p.suffix == ".gguf":
-        return _load_gguf(p, dtype)
+        if streaming:
+            raise QuantkitError("streaming needs a safetensors model folder, not a GGUF file; drop --streaming")
+        return (*_load_gguf(p, dtype), None)
     looks_local = p.exists() or path.startswith((".", "/", "~")) or path.count("/") > 1
     if looks_local and not p.exists():
         raise QuantkitError(f"model path {path} does not exist; pass an HF folder, a .gguf file, a hub id or 'demo'")
@@ -73,10 +80,22 @@ def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, 
         if cfg.get("quantization_config"):
             method = cfg["quantization_config"].get("quant_method", "?")
             raise QuantkitError(f"{path} is already quantized ({method}); quantize a full-precision model")
+    if streaming and not p.is_dir():
+        raise QuantkitError(f"streaming needs a local safetensors model folder, not {path}; drop --streaming")
+    layer_source = None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=trust_remote_code,
-                                                        low_cpu_mem_usage=True)
+        if streaming is None and p.is_dir():
+            from quantkit.streaming import should_stream
+
+            streaming = should_stream(p, dtype or torch.float32)
+        if streaming:
+            from quantkit.streaming import load_streaming_model
+
+            hf_model, layer_source = load_streaming_model(p, dtype or torch.float32, trust_remote_code)
+        else:
+            hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=trust_remote_code,
+                                                            low_cpu_mem_usage=True)
     except QuantkitError:
         raise
     except (OSError, ValueError, RuntimeError) as exc:
@@ -84,7 +103,7 @@ def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, 
         raise QuantkitError(f"could not load model {path}: {first}") from None
     hf_model.eval()
     hf_model.config.source_dtype = str(stored_dtype(path, trust_remote_code)).replace("torch.", "")
-    return hf_model, tokenizer, _card_name(model, path)
+    return hf_model, tokenizer, _card_name(model, path), layer_source
 
 
 def _card_name(model: str, path: str) -> str:

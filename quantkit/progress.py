@@ -1,0 +1,120 @@
+"""Per-layer progress kept in the output's staging folder, so a crashed run can `--resume`.
+
+After each decoder layer the driver's results are written here (atomically, one safetensors file
+per layer): the QuantizedWeight of every quantized linear in canonical form, plus every other
+tensor of the layer (norms that AWQ/SmoothQuant may have rescaled, ignored linears). The final
+writer assembles the checkpoint from these records in both the whole-model and the streaming
+path, so a resumed run writes byte-for-byte what an uninterrupted one would.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.qtensor import QuantizedWeight
+
+RUN_FILE = "run.json"
+LAYER_DIR = "layers"
+_QW_FIELDS = ("qweight", "scales", "zeros", "g_idx")
+
+
+@dataclass
+class LayerRecord:
+    index: int
+    quantized: dict[str, QuantizedWeight]  # full module name -> result
+    other: dict[str, torch.Tensor]  # full tensor name -> value (everything else in the layer)
+
+
+class ProgressStore:
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    # -- run identity ---------------------------------------------------------------------
+    def start(self, fingerprint: dict[str, Any], resume: bool) -> None:
+        """Create the staging folder, or (with resume) check it belongs to the same run."""
+        run_file = self.folder / RUN_FILE
+        if self.folder.exists():
+            if not resume:
+                raise QuantkitError(f"found the partial folder {self.folder} of an interrupted run; rerun the same command "
+                                    "with --resume to continue it, or delete the folder to start over")
+            if not run_file.is_file():
+                raise QuantkitError(f"{self.folder} holds no run.json, so it cannot be resumed; delete it to start over")
+            saved = json.loads(run_file.read_text())
+            if saved != _jsonable(fingerprint):
+                diff = sorted(k for k in set(saved) | set(fingerprint) if saved.get(k) != _jsonable(fingerprint).get(k))
+                raise QuantkitError(f"--resume: {self.folder} was made with different settings ({', '.join(diff)}); "
+                                    "use the original command or delete the folder")
+            return
+        (self.folder / LAYER_DIR).mkdir(parents=True)
+        _atomic_write_bytes(run_file, (json.dumps(_jsonable(fingerprint), indent=2, sort_keys=True) + "\n").encode())
+
+    # -- layers ---------------------------------------------------------------------------
+    def _path(self, index: int) -> Path:
+        return self.folder / LAYER_DIR / f"layer-{index:05d}.safetensors"
+
+    def done_layers(self) -> list[int]:
+        return sorted(int(p.stem.split("-")[1]) for p in (self.folder / LAYER_DIR).glob("layer-*.safetensors"))
+
+    def save_layer(self, record: LayerRecord) -> None:
+        from safetensors.torch import save_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        meta: dict[str, Any] = {}
+        for name, qw in record.quantized.items():
+            for f in _QW_FIELDS:
+                tensors[f"q::{name}::{f}"] = getattr(qw, f).contiguous()
+            if qw.bias is not None:
+                tensors[f"q::{name}::bias"] = qw.bias.contiguous()
+            meta[name] = {"bits": qw.bits, "group_size": qw.group_size, "sym": qw.sym, "act_order": qw.act_order}
+        for key, t in record.other.items():
+            tensors[f"o::{key}"] = t.detach().contiguous()
+        path = self._path(record.index)
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.clone() for k, v in tensors.items()}, str(tmp), metadata={"quantized": json.dumps(meta, sort_keys=True)})
+        os.replace(tmp, path)
+
+    def load_layer(self, index: int) -> LayerRecord:
+        from safetensors import safe_open
+
+        quantized: dict[str, dict] = {}
+        other = {}
+        with safe_open(str(self._path(index)), framework="pt") as f:
+            meta = json.loads(f.metadata()["quantized"])
+            for key in f.keys():
+                kind, rest = key.split("::", 1)
+                if kind == "o":
+                    other[rest] = f.get_tensor(key)
+                else:
+                    name, field = rest.rsplit("::", 1)
+                    quantized.setdefault(name, {})[field] = f.get_tensor(key)
+        qws = {name: QuantizedWeight(**fields, **meta[name]) for name, fields in quantized.items()}
+        return LayerRecord(index=index, quantized=qws, other=other)
+
+
+def run_fingerprint(**settings: Any) -> dict[str, Any]:
+    return _jsonable(settings)
+
+
+def _jsonable(d: dict) -> dict:
+    return json.loads(json.dumps(d, sort_keys=True, default=str))
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

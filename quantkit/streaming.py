@@ -1,0 +1,120 @@
+"""Streaming: decoder-layer weights read from safetensors only while that layer is processed.
+
+The model skeleton lives on the meta device; embeddings, final norm and head are loaded up
+front; `materialize(i)` reads layer i's tensors lazily (`safe_open`) onto the CPU and `release(i)`
+drops them again once its packed result is on disk. Peak host memory is then about the
+embeddings + one layer + the calibration activations, whatever the model's depth.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from quantkit.errors import QuantkitError
+
+
+def weight_files(folder: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file, from the index or the single file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise QuantkitError(f"{folder} has no safetensors weights; streaming needs model.safetensors(.index.json)")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def weights_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in set(weight_files(folder).values()))
+
+
+def available_memory_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def should_stream(folder: Path, compute_dtype: torch.dtype) -> bool:
+    """Stream when the model in the compute dtype would take more than half the available memory."""
+    stored = weights_bytes(folder)
+    return stored * max(1, compute_dtype.itemsize // 2) > available_memory_bytes() // 2
+
+
+class LazyLayers:
+    """Reads one decoder layer's tensors at a time into a meta-device skeleton."""
+
+    def __init__(self, model, folder: Path, layers_prefix: str, dtype: torch.dtype):
+        self.model, self.prefix, self.dtype = model, layers_prefix, dtype
+        self.files = weight_files(folder)
+
+    def load_non_layer_tensors(self) -> None:
+        from accelerate.utils import set_module_tensor_to_device
+
+        for key, value in self._read(lambda k: not k.startswith(self.prefix + ".")).items():
+            set_module_tensor_to_device(self.model, key, "cpu", value=value)
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            self.model.tie_weights()
+        still_meta = [n for n, p in self.model.named_parameters() if p.device.type == "meta" and not n.startswith(self.prefix + ".")]
+        if still_meta:
+            raise QuantkitError(f"the model folder is missing tensor {still_meta[0]}")
+
+    def materialize(self, index: int) -> None:
+        from accelerate.utils import set_module_tensor_to_device
+
+        layer_prefix = f"{self.prefix}.{index}."
+        tensors = self._read(lambda k: k.startswith(layer_prefix))
+        layer = self.model.get_submodule(f"{self.prefix}.{index}")
+        expected = {f"{layer_prefix}{n}" for n, _ in layer.named_parameters()}
+        missing = sorted(expected - set(tensors))
+        if missing:
+            raise QuantkitError(f"the model folder is missing tensor {missing[0]}")
+        for key, value in tensors.items():
+            set_module_tensor_to_device(self.model, key, "cpu", value=value)
+
+    def release(self, index: int) -> None:
+        from accelerate.utils import set_module_tensor_to_device
+
+        layer = self.model.get_submodule(f"{self.prefix}.{index}")
+        for name, _ in list(layer.named_parameters()):
+            set_module_tensor_to_device(layer, name, "meta")
+
+    def _read(self, want) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = {}
+        for key, path in self.files.items():
+            if want(key):
+                by_file.setdefault(path, []).append(key)
+        out = {}
+        for path, keys in by_file.items():
+            with safe_open(str(path), framework="pt") as f:
+                for key in keys:
+                    t = f.get_tensor(key)
+                    out[key] = t.to(self.dtype) if t.is_floating_point() else t
+        return out
+
+
+def load_streaming_model(folder: Path, dtype: torch.dtype, trust_remote_code: bool = False):
+    """A meta-device skeleton with only the non-layer tensors loaded, plus its LazyLayers."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    model.eval()
+    from quantkit.models import get_adapter
+
+    source = LazyLayers(model, folder, get_adapter(model).layers_prefix(model), dtype)
+    source.load_non_layer_tensors()
+    return model, source
