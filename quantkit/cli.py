@@ -61,10 +61,17 @@ def cli():
 @click.option("--max-shard-size", default="5GB", show_default=True)
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Calibration sequences per forward.")
 @click.option("--eval", "eval_after", is_flag=True, help="Measure held-out perplexity and record it in the model card.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer.")
+@click.option("--streaming/--no-streaming", default=None,
+              help="Read decoder layers from disk one at a time (default: when the model would not fit comfortably).")
+@click.option("--offload-hessians", is_flag=True, help="GPTQ: keep Hessians in host memory between batches.")
+@click.option("--desc-act", is_flag=True, help="GPTQ: act-order (columns by descending Hessian diagonal).")
+@click.option("--static-groups", is_flag=True, help="GPTQ: group scales computed up front (keeps act-order groups contiguous).")
+@click.option("--mse", is_flag=True, help="GPTQ: search a shrunk group range with the lowest reconstruction error.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line of stdout.")
 def quantize(model, method, bits, group_size, sym, format_, recipe, dataset, num_samples, seq_len, seed, chat_template,
              ignore, options, output, overwrite, dtype, device, trust_remote_code, max_shard_size, batch_size, eval_after,
-             as_json):
+             resume, streaming, offload_hessians, desc_act, static_groups, mse, as_json):
     """Quantize a model and write a packed checkpoint."""
     from quantkit import api
 
@@ -72,9 +79,11 @@ def quantize(model, method, bits, group_size, sym, format_, recipe, dataset, num
     result = api.quantize(
         model=model, method=method, bits=bits, group_size=group_size, sym=sym, format=format_, recipe=recipe,
         dataset=dataset, num_samples=num_samples, seq_len=seq_len, seed=seed, chat_template=chat_template,
-        ignore=list(ignore) if ignore else None, options=_parse_options(options), output=output, overwrite=overwrite,
-        dtype=dtype, device=device, trust_remote_code=trust_remote_code, max_shard_size=max_shard_size,
-        batch_size=batch_size, eval_after=eval_after, progress=not as_json,
+        ignore=list(ignore) if ignore else None, options=_method_options(options, offload_hessians=offload_hessians,
+                                                                               desc_act=desc_act, static_groups=static_groups,
+                                                                               mse=mse), output=output,
+        overwrite=overwrite, dtype=dtype, device=device, trust_remote_code=trust_remote_code, max_shard_size=max_shard_size,
+        batch_size=batch_size, eval_after=eval_after, progress=not as_json, resume=resume, streaming=streaming,
     )
     _emit(result, as_json, f"wrote {result['output']} ({result['method']}, {result['bits']}-bit, group {result['group_size']}, "
                            f"{result['format']}) in {result['seconds']:.1f} s, peak RSS {result['peak_rss_mb']:.0f} MB")
@@ -177,6 +186,13 @@ def inspect(path, as_json):
         lines.append(f"  {name}: {info['bits']}-bit, group {info['group_size']}, {'sym' if info['sym'] else 'asym'}, "
                      f"{info['shape'][0]}x{info['shape'][1]}")
     _emit(r, as_json, "\n".join(lines))
+
+
+def _method_options(pairs, **flags: bool) -> dict:
+    """--option KEY=VALUE pairs plus the convenience flags that were given."""
+    options = _parse_options(pairs)
+    options.update({k: True for k, v in flags.items() if v})
+    return options
 
 
 def _parse_options(pairs) -> dict:
