@@ -39,6 +39,7 @@ class GPTQQuantizer(Quantizer):
         if int(o["block_size"]) < 1:
             raise QuantkitError(f"block_size must be positive, got {o['block_size']}")
         self._hessians: dict[str, HessianAccumulator] = {}
+        self._last_input, self._last_acc = None, None
         self.layer_stats: dict[str, dict] = {}
 
     def stages(self, ctx: LayerContext) -> list[list[str]]:
@@ -47,14 +48,21 @@ class GPTQQuantizer(Quantizer):
         return super().stages(ctx)
 
     def observe(self, name: str, module: nn.Module, x: torch.Tensor) -> None:
+        # q/k/v (and gate/up) receive the very same input tensor: accumulate its Hessian once and share it
+        if x is self._last_input:
+            shared = self._hessians.setdefault(name, self._last_acc)
+            if shared is self._last_acc:
+                return
         acc = self._hessians.get(name)
         if acc is None:
             acc = HessianAccumulator(module.in_features, device=x.device, offload=bool(self.options["offload_hessians"]))
             self._hessians[name] = acc
         acc.add_batch(x)
+        self._last_input, self._last_acc = x, acc
 
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme):
         acc = self._hessians.pop(name, None)
+        self._last_input, self._last_acc = None, None
         if acc is None or acc.n_samples == 0:
             raise QuantkitError(f"GPTQ saw no calibration inputs for {name}; check the dataset")
         o = self.options
@@ -70,6 +78,7 @@ class GPTQQuantizer(Quantizer):
         if self._hessians:
             warnings.warn(f"GPTQ: discarded unused Hessians for {sorted(self._hessians)}")
         self._hessians.clear()
+        self._last_input, self._last_acc = None, None
 
     def format_extra(self) -> dict:
         o = self.options
