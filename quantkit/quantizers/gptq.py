@@ -6,6 +6,7 @@ layer between stages so later linears see the earlier ones already quantized.
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -14,6 +15,21 @@ from quantkit.errors import QuantkitError
 from quantkit.quantizers.base import LayerContext, Quantizer, register_quantizer
 from quantkit.quantizers.gptq_core import HessianAccumulator, gptq_quantize
 from quantkit.scheme import LinearScheme
+
+
+@contextmanager
+def _single_thread_on_cpu(device: torch.device):
+    """The column loop is thousands of tiny ops: on CPU, thread fan-out costs more than it saves
+    (and on a busy machine each op can stall for milliseconds), so solve on one thread."""
+    if device.type != "cpu":
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 @register_quantizer
@@ -66,11 +82,12 @@ class GPTQQuantizer(Quantizer):
         if acc is None or acc.n_samples == 0:
             raise QuantkitError(f"GPTQ saw no calibration inputs for {name}; check the dataset")
         o = self.options
-        qw, stats = gptq_quantize(
-            module.weight.data, acc.hessian().to(module.weight.device), bits=scheme.bits, group_size=scheme.group_size,
-            sym=scheme.sym, block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
-            act_order=bool(o["desc_act"]), static_groups=bool(o["static_groups"]), mse=bool(o["mse"]), bias=module.bias,
-        )
+        with _single_thread_on_cpu(module.weight.device):
+            qw, stats = gptq_quantize(
+                module.weight.data, acc.hessian().to(module.weight.device), bits=scheme.bits, group_size=scheme.group_size,
+                sym=scheme.sym, block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
+                act_order=bool(o["desc_act"]), static_groups=bool(o["static_groups"]), mse=bool(o["mse"]), bias=module.bias,
+            )
         self.layer_stats[name] = stats
         return qw
 
