@@ -82,15 +82,19 @@ def quantize(
     t0 = time.perf_counter()
     rec = load_recipe(recipe) if recipe else {}
     quantizer = _make_quantizer(method if method is not None else rec.get("method", "rtn"), {**(rec.get("options") or {}), **(options or {})})
-    scheme_dict = dict(rec.get("scheme") or {})
+    scheme_dict = {**quantizer.default_scheme, **(rec.get("scheme") or {})}
     for key, value in (("bits", bits), ("group_size", parse_group_size(group_size)), ("sym", sym)):
         if value is not None:
             scheme_dict[key] = value
     if ignore is not None:
         scheme_dict["ignore"] = ignore
     scheme: QuantScheme = scheme_from_dict(scheme_dict).with_default_sym(quantizer.default_sym)
+    quantizer.check_scheme(scheme)
     format_name = format or rec.get("format") or quantizer.default_format
-    get_format(format_name)
+    fmt = get_format(format_name)
+    if quantizer.quantizes_activations and not getattr(fmt, "ACTIVATION_STRATEGIES", None):
+        raise QuantkitError(f"method {quantizer.name!r} quantizes activations (W8A8), which the {fmt.NAME} format "
+                            "cannot store; use --format compressed-tensors")
     cal = rec.get("calibration") or {}
     dataset = dataset if dataset is not None else cal.get("dataset", DEFAULTS["dataset"])
     num_samples = int(_merge(rec, "num_samples", "calibration", num_samples))
@@ -100,6 +104,7 @@ def quantize(
         raise QuantkitError("--num-samples must be at least 1 and --seq-len at least 2")
     if output is not None:
         check_output_dir(Path(output), overwrite)
+        ProgressStore(staging_dir(Path(output))).check_leftover(resume)
     compute_device = torch.device(device or "cpu")
 
     hf_model, tokenizer, base_name, layer_source = load_source_model(
@@ -110,9 +115,10 @@ def quantize(
     groups = sorted({s.group_size for s in schemes.values()})
     if output is None:
         g = groups[0] if len(groups) == 1 else "mixed"
-        tag = f"w{scheme.bits}" + ("pc" if g == -1 else f"g{g}")
+        tag = "w8a8" if quantizer.quantizes_activations else f"w{scheme.bits}" + ("pc" if g == -1 else f"g{g}")
         output = Path(f"{Path(base_name).name.lower()}-{quantizer.name}-{tag}")
         check_output_dir(output, overwrite)
+        ProgressStore(staging_dir(output)).check_leftover(resume)
     output = Path(output)
 
     input_ids = None
@@ -149,7 +155,7 @@ def quantize(
         "bits": bits_used[0] if len(bits_used) == 1 else bits_used,
         "group_size": groups[0] if len(groups) == 1 else groups,
         "format": format_name,
-        "quantized_linears": len(results),
+        "quantized_linears": len(schemes),
         "streaming": layer_source is not None,
         "seconds": round(time.perf_counter() - t0, 3),
         "peak_rss_mb": round(peak_rss_mb(), 1),
@@ -175,11 +181,25 @@ def _record_perplexity(output: Path, dataset) -> dict[str, Any]:
     return metrics
 
 
-def _make_quantizer(method: Union[str, Quantizer], options: dict) -> Quantizer:
+# Recipe pipelines (`method: [a, b]`) that one quantizer implements, with the options they imply.
+PIPELINES = {("smoothquant", "gptq"): ("smoothquant", {"weight_method": "gptq"}),
+             ("smoothquant", "rtn"): ("smoothquant", {"weight_method": "rtn"})}
+
+
+def _make_quantizer(method: Union[str, Quantizer, list], options: dict) -> Quantizer:
     if isinstance(method, Quantizer):
         return method
     if isinstance(method, type) and issubclass(method, Quantizer):
         return method(**options)
+    if isinstance(method, (list, tuple)):
+        steps = tuple(str(m).strip().lower() for m in method)
+        if len(steps) == 1:
+            return get_quantizer(steps[0], **options)
+        if steps not in PIPELINES:
+            known = ", ".join("[" + ", ".join(k) + "]" for k in PIPELINES)
+            raise QuantkitError(f"unsupported method pipeline {list(steps)}; supported: {known}")
+        name, implied = PIPELINES[steps]
+        return get_quantizer(name, **{**options, **implied})
     return get_quantizer(str(method), **options)
 
 

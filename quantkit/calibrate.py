@@ -102,7 +102,8 @@ def quantize_model(
     which is exactly what the next layer must see during calibration. With a `store`, each
     finished layer is saved and layers already there are restored instead of recomputed (resume);
     with a `layer_source` (streaming), a layer's weights are read from disk only while it is
-    processed and dropped afterwards.
+    processed and dropped afterwards, and the returned dict stays empty (the results live only in
+    the store, so memory does not grow with the model's depth).
     """
     layers = adapter.decoder_layers(model)
     prefix = adapter.layers_prefix(model)
@@ -113,6 +114,7 @@ def quantize_model(
 
     inputs = capture_layer_inputs(model, adapter, input_ids, batch_size, device, activation_device) if needs_data else []
     results: dict[str, QuantizedWeight] = {}
+    finished: set[str] = set()
     bar = tqdm(range(len(layers)), desc=f"{quantizer.name}", unit="layer", disable=not progress)
     for i in bar:
         t0 = time.perf_counter()
@@ -147,11 +149,14 @@ def quantize_model(
         layer.to(device="cpu", dtype=original_dtype) if str(device) != "cpu" else layer.to(dtype=original_dtype)
         if store is not None and i not in done:
             store.save_layer(LayerRecord(index=i, quantized=layer_results, other=_other_tensors(layer, layer_prefix, layer_results)))
-        results.update(layer_results)
+        finished.update(layer_results)
+        if layer_source is None or store is None:
+            results.update(layer_results)
+        del layer_results
         if layer_source is not None:
             layer_source.release(i)
         bar.set_postfix(layer_s=f"{time.perf_counter() - t0:.2f}")
-    missing = set(schemes) - set(results)
+    missing = set(schemes) - finished
     if missing:
         raise QuantkitError(f"{len(missing)} target linears lie outside the decoder layers (e.g. {sorted(missing)[0]}); add them to --ignore")
     return results
@@ -166,7 +171,7 @@ def _quantize_layer(ctx: LayerContext, quantizer: Quantizer, needs_data: bool, d
         if not stage:
             continue
         modules = {n: ctx.layer.get_submodule(n) for n in stage}
-        if needs_data:
+        if needs_data and quantizer.needs_observe:
             _observe_stage(ctx.layer, modules, quantizer, ctx.inputs, device, compute_dtype)
         for n, m in modules.items():
             with torch.no_grad():

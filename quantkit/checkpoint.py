@@ -7,8 +7,10 @@ already had there. Tensors are packed by the format module (the same one the loa
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import struct
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -20,6 +22,7 @@ from quantkit.errors import QuantkitError
 from quantkit.formats import get_format
 from quantkit.formats.spec import LinearSpec
 from quantkit.progress import LAYER_DIR, RUN_FILE, ProgressStore
+from quantkit.streaming import trim_heap
 
 
 def staging_dir(output: Path) -> Path:
@@ -34,29 +37,46 @@ def check_output_dir(output: Path, overwrite: bool) -> None:
         raise QuantkitError(f"output folder {output} is not empty; pass --overwrite or choose another --output")
 
 
-def build_state_dict(model, store: ProgressStore, layers_prefix: str, format_name: str,
-                     save_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, LinearSpec]]:
-    """Unquantized tensors in `save_dtype`; each decoder layer from its progress record, with the
-    quantized linears packed by the format module (the same one the loader unpacks with)."""
+PACKED_DIR = "packed"  # per-layer packed tensors, written during the final write and removed before the rename
+
+
+def plan_tensors(model, store: ProgressStore, layers_prefix: str, format_name: str, save_dtype: torch.dtype,
+                 scratch: Path) -> tuple[dict[str, tuple[Optional[Path], torch.dtype, tuple[int, ...]]], dict[str, LinearSpec]]:
+    """Every tensor of the checkpoint as name -> (where it lives, dtype, shape), in state-dict order.
+
+    Unquantized non-layer tensors stay in the model (where = None) and are cast to `save_dtype`
+    only when written. Each decoder layer is read from its progress record, its quantized linears
+    are packed by the format module (the same one the loader unpacks with), and the result goes to
+    `scratch/layer-*.safetensors`: only one layer is ever in memory, whatever the model's depth."""
+    from safetensors.torch import save_file
+
     fmt = get_format(format_name)
-    state: dict[str, torch.Tensor] = {}
+    entries: dict[str, tuple[Optional[Path], torch.dtype, tuple[int, ...]]] = {}
     specs: dict[str, LinearSpec] = {}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for key, tensor in model.state_dict().items():
         if key.startswith(layers_prefix + ".") or (tied and key == "lm_head.weight"):
             continue
-        state[key] = _cast(tensor, save_dtype)
+        entries[key] = (None, save_dtype if tensor.is_floating_point() else tensor.dtype, tuple(tensor.shape))
+    scratch.mkdir(parents=True, exist_ok=True)
     for index in store.done_layers():
         record = store.load_layer(index)
+        packed: dict[str, torch.Tensor] = {}
         for name, qw in record.quantized.items():
             for suffix, tensor in fmt.pack(qw).items():
-                state[f"{name}.{suffix}"] = tensor.contiguous()
+                packed[f"{name}.{suffix}"] = tensor.contiguous()
             if qw.bias is not None:
-                state[f"{name}.bias"] = qw.bias.to(torch.float16).contiguous()
+                packed[f"{name}.bias"] = qw.bias.to(torch.float16).contiguous()
             specs[name] = LinearSpec.of(qw)
         for key, tensor in record.other.items():
-            state[key] = _cast(tensor, save_dtype)
-    return state, specs
+            packed[key] = _cast(tensor, save_dtype)
+        path = scratch / f"layer-{index:05d}.safetensors"
+        save_file(packed, str(path))
+        for key, tensor in packed.items():
+            entries[key] = (path, tensor.dtype, tuple(tensor.shape))
+        del record, packed
+        trim_heap()
+    return entries, specs
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -87,9 +107,9 @@ def write_checkpoint(
     stage = store.folder
     for stale in [p for p in stage.iterdir() if p.name not in (LAYER_DIR, RUN_FILE)]:
         shutil.rmtree(stale) if stale.is_dir() else stale.unlink()  # a crash during an earlier final write
-    state, specs = build_state_dict(model, store, layers_prefix, format_name, save_dtype)
-    _save_sharded(state, stage, max_shard_size)
-    del state
+    entries, specs = plan_tensors(model, store, layers_prefix, format_name, save_dtype, stage / PACKED_DIR)
+    _save_sharded(entries, model, save_dtype, stage, max_shard_size)
+    shutil.rmtree(stage / PACKED_DIR)
     qcfg = fmt.quantization_config(specs, ignore, format_extra)
     _save_config(model, stage, qcfg, save_dtype)
     if tokenizer is not None:
@@ -108,21 +128,78 @@ def write_checkpoint(
     return output
 
 
-def _save_sharded(state: dict[str, torch.Tensor], folder: Path, max_shard_size) -> None:
+def _save_sharded(entries: dict[str, tuple[Optional[Path], torch.dtype, tuple[int, ...]]], model,
+                  save_dtype: torch.dtype, folder: Path, max_shard_size) -> None:
+    """Shard like `save_pretrained` (huggingface_hub's split, in state-dict order) and write each shard
+    tensor by tensor, so peak memory is one tensor, not the checkpoint (or a 5 GB shard)."""
     from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
 
+    sizes = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (_, dtype, shape) in entries.items()}
     try:
-        split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size,
+        split = split_torch_state_dict_into_shards(sizes, max_shard_size=max_shard_size,
                                                    filename_pattern="model{suffix}.safetensors")
     except ValueError as exc:
         raise QuantkitError(f"invalid --max-shard-size {max_shard_size!r}: {exc}; use e.g. 2GB or 500MB") from None
+    model_state = model.state_dict()
+
+    def load(key: str) -> torch.Tensor:
+        path = entries[key][0]
+        if path is None:
+            t = model_state[key].detach()
+            return t.to(save_dtype) if t.is_floating_point() else t
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:  # opened per tensor: nothing stays mapped
+            return f.get_tensor(key)
+
     for filename, keys in split.filename_to_tensors.items():
-        save_file({k: state[k] for k in keys}, str(folder / filename), metadata={"format": "pt"})
+        write_safetensors(folder / filename, {k: entries[k][1:] for k in keys}, load, metadata={"format": "pt"})
     if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in sizes.values())},
                  "weight_map": split.tensor_to_filename}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+# safetensors' own order (its Rust Dtype enum): `save_file` lays tensors out by descending dtype,
+# then by name, so every tensor starts aligned to its element size. Writing the same layout here
+# keeps files byte-identical to `save_file` of the same tensors.
+_ST_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e5m2: "F8_E5M2",
+              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+              torch.float8_e5m2fnuz: "F8_E5M2FNUZ", torch.int16: "I16", torch.uint16: "U16", torch.float16: "F16",
+              torch.bfloat16: "BF16", torch.int32: "I32", torch.uint32: "U32", torch.float32: "F32",
+              torch.complex64: "C64", torch.float64: "F64", torch.int64: "I64", torch.uint64: "U64"}
+_ST_RANK = {dtype: rank for rank, dtype in enumerate(_ST_DTYPES)}
+
+
+def write_safetensors(path: Path, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], load,
+                      metadata: Optional[dict[str, str]] = None) -> None:
+    """Write a safetensors file whose tensors (name -> (dtype, shape)) are fetched one at a time by
+    `load(name)`; the bytes equal `safetensors.torch.save_file` of the same tensors."""
+    for name, (dtype, _) in layout.items():
+        if dtype not in _ST_DTYPES:
+            raise QuantkitError(f"cannot store tensor {name} of dtype {dtype} in safetensors")
+    order = sorted(layout, key=lambda k: (-_ST_RANK[layout[k][0]], k))
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in order:
+        dtype, shape = layout[name]
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name in order:
+            dtype, shape = layout[name]
+            t = load(name)
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise QuantkitError(f"internal: tensor {name} changed to {t.dtype}{list(t.shape)} while writing "
+                                    f"(planned {dtype}{list(shape)})")
+            if t.numel():
+                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            del t
 
 
 def _save_config(model, folder: Path, qcfg: dict, save_dtype: torch.dtype) -> None:
@@ -165,6 +242,12 @@ def append_card_metrics(folder: Path, metrics: dict[str, Any]) -> None:
     os.replace(tmp, card)
 
 
+def _activations_line(specs: dict[str, LinearSpec]) -> str:
+    kinds = {"token": "int8 dynamic per token", "tensor": "int8 static per tensor (input_scale)"}
+    found = sorted({kinds[s.input_quant] for s in specs.values() if s.input_quant})
+    return ", ".join(found) + " (W8A8)" if found else "full precision (weight-only)"
+
+
 def model_card(base_model: str, format_name: str, method: dict[str, Any], qcfg: dict, specs: dict[str, LinearSpec],
                metrics: Optional[dict[str, Any]]) -> str:
     bits = sorted({s.bits for s in specs.values()})
@@ -185,6 +268,7 @@ def model_card(base_model: str, format_name: str, method: dict[str, Any], qcfg: 
         f"- format: `{format_name}` (quant_method `{qcfg.get('quant_method')}`)",
         f"- bits: {', '.join(map(str, bits))}; group size: {', '.join('per-channel' if g == -1 else str(g) for g in groups)}",
         f"- symmetric: {sorted({s.sym for s in specs.values()})}",
+        f"- activations: {_activations_line(specs)}",
         f"- quantized linears: {len(specs)}",
     ]
     for k, v in method.items():

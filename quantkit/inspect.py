@@ -54,5 +54,6 @@ def inspect_checkpoint(path: str) -> dict:
         "original_size_mb": original / 2**20,
         "compression": original / size if size else 0.0,
         "layers": {n: {"bits": s.bits, "group_size": s.group_size, "sym": s.sym, "act_order": s.act_order,
+                       **({"input_quant": s.input_quant} if s.input_quant else {}),
                        "shape": [s.out_features, s.in_features]} for n, s in specs.items()},
     }

@@ -40,10 +40,8 @@ class ProgressStore:
     def start(self, fingerprint: dict[str, Any], resume: bool) -> None:
         """Create the staging folder, or (with resume) check it belongs to the same run."""
         run_file = self.folder / RUN_FILE
+        self.check_leftover(resume)
         if self.folder.exists():
-            if not resume:
-                raise QuantkitError(f"found the partial folder {self.folder} of an interrupted run; rerun the same command "
-                                    "with --resume to continue it, or delete the folder to start over")
             if not run_file.is_file():
                 raise QuantkitError(f"{self.folder} holds no run.json, so it cannot be resumed; delete it to start over")
             saved = json.loads(run_file.read_text())
@@ -54,6 +52,12 @@ class ProgressStore:
             return
         (self.folder / LAYER_DIR).mkdir(parents=True)
         _atomic_write_bytes(run_file, (json.dumps(_jsonable(fingerprint), indent=2, sort_keys=True) + "\n").encode())
+
+    def check_leftover(self, resume: bool) -> None:
+        """A partial folder of an earlier run is never reused or deleted silently (called before any loading)."""
+        if self.folder.exists() and not resume:
+            raise QuantkitError(f"found the partial folder {self.folder} of an interrupted run; rerun the same command "
+                                "with --resume to continue it, or delete the folder to start over")
 
     # -- layers ---------------------------------------------------------------------------
     def _path(self, index: int) -> Path:
@@ -73,6 +77,10 @@ class ProgressStore:
             if qw.bias is not None:
                 tensors[f"q::{name}::bias"] = qw.bias.contiguous()
             meta[name] = {"bits": qw.bits, "group_size": qw.group_size, "sym": qw.sym, "act_order": qw.act_order}
+            if qw.input_quant is not None:  # W8A8: the activation scheme, its static scale as a tensor
+                meta[name]["input_quant"] = {k: v for k, v in qw.input_quant.items() if k != "scale"}
+                if "scale" in qw.input_quant:
+                    tensors[f"q::{name}::input_scale"] = qw.input_quant["scale"].detach().cpu().reshape(1).contiguous()
         for key, t in record.other.items():
             tensors[f"o::{key}"] = t.detach().contiguous()
         path = self._path(record.index)
@@ -85,16 +93,26 @@ class ProgressStore:
 
         quantized: dict[str, dict] = {}
         other = {}
-        with safe_open(str(self._path(index)), framework="pt") as f:
-            meta = json.loads(f.metadata()["quantized"])
-            for key in f.keys():
-                kind, rest = key.split("::", 1)
-                if kind == "o":
-                    other[rest] = f.get_tensor(key)
-                else:
-                    name, field = rest.rsplit("::", 1)
-                    quantized.setdefault(name, {})[field] = f.get_tensor(key)
-        qws = {name: QuantizedWeight(**fields, **meta[name]) for name, fields in quantized.items()}
+        path = self._path(index)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = json.loads(f.metadata()["quantized"])
+                for key in f.keys():
+                    kind, rest = key.split("::", 1)
+                    if kind == "o":
+                        other[rest] = f.get_tensor(key)
+                    else:
+                        name, field = rest.rsplit("::", 1)
+                        quantized.setdefault(name, {})[field] = f.get_tensor(key)
+        except Exception as exc:  # e.g. a record cut short by a power loss
+            raise QuantkitError(f"--resume: progress record {path} is unreadable ({type(exc).__name__}); delete it "
+                                "and resume again (that layer is then redone)") from None
+        qws = {}
+        for name, fields in quantized.items():
+            info = dict(meta[name])
+            if "input_scale" in fields:
+                info["input_quant"] = {**info["input_quant"], "scale": fields.pop("input_scale")}
+            qws[name] = QuantizedWeight(**fields, **info)
         return LayerRecord(index=index, quantized=qws, other=other)
 
 

@@ -7,6 +7,10 @@ Convention (GPTQ's, shared by AWQ and compressed-tensors once offsets are applie
     W[n, k] = scales[n, g_idx[k]] * (qweight[n, k] - zeros[n, g_idx[k]])
 with unsigned integer codes qweight in [0, 2**bits) and integer zeros in the same range.
 Symmetric schemes use zeros == 2**(bits-1) everywhere.
+
+`input_quant` (None for weight-only schemes) says how the linear's *input* is quantized at run time
+(W8A8): int8 symmetric, {"strategy": "token", "dynamic": True} (scale = absmax/127 per token) or
+{"strategy": "tensor", "dynamic": False, "scale": fp32 tensor [1]} (a calibrated static scale).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ class QuantizedWeight:
     # act-order bookkeeping: "none", "static" (groups contiguous, columns processed in Hessian
     # order) or "dynamic" (groups formed in processing order; g_idx is a real permutation map)
     act_order: str = "none"
+    input_quant: Optional[dict] = None  # activation quantization (W8A8), see the module docstring
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -40,6 +45,15 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Plain-torch dequantization: the oracle every packed path is tested against."""
+        n, k = self.qweight.shape
+        groups = self.scales.shape[1]
+        gs = k if self.group_size == -1 else self.group_size
+        if groups * gs == k and torch.equal(self.g_idx.long(), torch.arange(k, device=self.g_idx.device) // gs):
+            # contiguous groups: broadcast per-group scale/zero instead of gathering [N, K] copies
+            # (the same fp32 operations on the same values, so the same bits, at a fraction of the memory)
+            s = self.scales.float().unsqueeze(2)
+            z = self.zeros.float().unsqueeze(2)
+            return ((self.qweight.reshape(n, groups, gs).float() - z) * s).reshape(n, k).to(dtype)
         g = self.g_idx.long()
         s = self.scales.float()[:, g]
         z = self.zeros.float()[:, g]

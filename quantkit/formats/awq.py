@@ -28,6 +28,7 @@ def _interleave(n: int) -> torch.Tensor:
 
 
 def _check_spec(spec: LinearSpec) -> None:
+    checks.weight_only(spec, NAME)
     if spec.bits != 4:
         raise QuantkitError(f"awq (gemm) stores 4-bit weights only, not {spec.bits}-bit")
     if spec.out_features % 8:

@@ -37,28 +37,36 @@ def pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     _check_bits(bits)
     if values.dtype.is_floating_point or values.dtype == torch.bool:
         raise ValueError(f"pack expects integer codes, got {values.dtype}")
-    v = values.movedim(dim, -1).to(torch.int64)
-    if v.numel() and (int(v.min()) < 0 or int(v.max()) >= (1 << bits)):
-        raise ValueError(f"codes outside [0, {1 << bits}) cannot be packed in {bits} bits")
+    v = values.movedim(dim, -1)
+    if v.numel():
+        lo, hi = torch.aminmax(v)
+        if int(lo) < 0 or int(hi) >= (1 << bits):
+            raise ValueError(f"codes outside [0, {1 << bits}) cannot be packed in {bits} bits")
     lead, length = v.shape[:-1], v.shape[-1]
-    v = v.reshape(-1, length)
-    rows = v.shape[0]
     n_words = packed_length(length, bits)
-    if 32 % bits == 0:  # values never straddle words: shift and sum per word
+    if 32 % bits == 0:  # values never straddle words: OR the shifted values of each word in int32
         per_word = 32 // bits
-        v = F.pad(v, (0, n_words * per_word - length)).reshape(rows, n_words, per_word)
-        shifts = torch.arange(per_word, dtype=torch.int64, device=v.device) * bits
-        words = (v << shifts).sum(-1)
-    else:  # chunks of 32 values fill exactly `bits` words; carry the overflow into the next word
-        chunks = math.ceil(length / 32)
-        v = F.pad(v, (0, chunks * 32 - length)).reshape(rows, chunks, 32)
-        out = torch.zeros(rows, chunks, bits + 1, dtype=torch.int64, device=v.device)
-        for i in range(32):
-            word, shift = divmod(i * bits, 32)
-            shifted = v[..., i] << shift
-            out[..., word] |= shifted & _MASK32
-            out[..., word + 1] |= shifted >> 32
-        words = out[..., :bits].reshape(rows, chunks * bits)[:, :n_words]
+        v = v.reshape(-1, length).to(torch.int32)
+        rows = v.shape[0]
+        if n_words * per_word != length:
+            v = F.pad(v, (0, n_words * per_word - length))
+        v = v.reshape(rows, n_words, per_word)
+        words = v[..., 0].clone()
+        for j in range(1, per_word):  # int32 shifts wrap into the sign bit: the word's two's complement
+            words |= v[..., j] << (j * bits)
+        return words.reshape(*lead, n_words).movedim(-1, dim).contiguous()
+    v = v.to(torch.int64).reshape(-1, length)
+    rows = v.shape[0]
+    # chunks of 32 values fill exactly `bits` words; carry the overflow into the next word
+    chunks = math.ceil(length / 32)
+    v = F.pad(v, (0, chunks * 32 - length)).reshape(rows, chunks, 32)
+    out = torch.zeros(rows, chunks, bits + 1, dtype=torch.int64, device=v.device)
+    for i in range(32):
+        word, shift = divmod(i * bits, 32)
+        shifted = v[..., i] << shift
+        out[..., word] |= shifted & _MASK32
+        out[..., word + 1] |= shifted >> 32
+    words = out[..., :bits].reshape(rows, chunks * bits)[:, :n_words]
     return _to_int32(words).reshape(*lead, n_words).movedim(-1, dim).contiguous()
 
 

@@ -33,7 +33,16 @@ def tensor(tensors: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...
     if t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise QuantkitError(f"{fmt}: tensor '{name}' has dtype {str(t.dtype).replace('torch.', '')}, expected {names}")
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise QuantkitError(f"{fmt}: tensor '{name}' contains NaN/inf values")
     return t
+
+
+def weight_only(spec: LinearSpec, fmt: str) -> None:
+    """Layouts without activation quantization must refuse a W8A8 weight rather than silently drop it."""
+    if spec.input_quant is not None:
+        raise QuantkitError(f"{fmt} stores weight-only schemes; int8 activations (W8A8, input_quant "
+                            f"{spec.input_quant!r}) need --format compressed-tensors")
 
 
 def g_idx(g: torch.Tensor, spec: LinearSpec, fmt: str, name: str = "g_idx") -> torch.Tensor:

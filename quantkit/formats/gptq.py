@@ -30,6 +30,7 @@ _DEFAULTS = {"true_sequential": True, "damp_percent": 0.01}
 
 
 def _check_spec(spec: LinearSpec) -> None:
+    checks.weight_only(spec, NAME)
     if spec.bits not in SUPPORTED_BITS:
         raise QuantkitError(f"gptq stores {SUPPORTED_BITS}-bit weights, not {spec.bits}-bit")
     for what, n in (("in_features", spec.in_features), ("out_features", spec.out_features)):
@@ -111,7 +112,7 @@ def quantization_config(spec_by_module: dict[str, LinearSpec], ignore: list[str]
     for name, spec in spec_by_module.items():
         _check_spec(spec)
     base = Counter(s.scheme() for s in spec_by_module.values()).most_common(1)[0][0]
-    bits, group_size, sym, act_order = base
+    bits, group_size, sym, act_order = base[:4]
     keys = _act_order_keys(act_order)
     extra = dict(extra or {})
     for key in ("desc_act", "static_groups"):

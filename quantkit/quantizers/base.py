@@ -43,6 +43,9 @@ class Quantizer:
     default_format: ClassVar[str] = "gptq"
     needs_calibration: ClassVar[bool] = True
     options_spec: ClassVar[dict[str, Any]] = {}  # option name -> default value
+    default_scheme: ClassVar[dict[str, Any]] = {}  # scheme keys the method implies (SmoothQuant: bits 8, per channel)
+    quantizes_activations: ClassVar[bool] = False  # results carry input_quant (W8A8): the format must store it
+    needs_observe: ClassVar[bool] = True  # False: the driver skips the per-stage `observe` pass (saves a layer run)
 
     def __init__(self, **options):
         unknown = set(options) - set(self.options_spec)
@@ -50,6 +53,9 @@ class Quantizer:
             allowed = ", ".join(sorted(self.options_spec)) or "none"
             raise QuantkitError(f"unknown option(s) {sorted(unknown)} for method {self.name!r}; allowed: {allowed}")
         self.options = {**self.options_spec, **options}
+
+    def check_scheme(self, scheme) -> None:
+        """Reject a QuantScheme the method cannot produce, before any model is loaded."""
 
     # -- driver hooks --------------------------------------------------------------------
     def stages(self, ctx: LayerContext) -> list[list[str]]:

@@ -14,6 +14,7 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.quantizers.base import LayerContext, Quantizer, register_quantizer
 from quantkit.quantizers.gptq_core import HessianAccumulator, gptq_quantize
+from quantkit.quantizers.grid import rtn_quantize
 from quantkit.scheme import LinearScheme
 
 
@@ -79,6 +80,13 @@ class GPTQQuantizer(Quantizer):
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme):
         acc = self._hessians.pop(name, None)
         self._last_input, self._last_acc = None, None
+        if acc is not None and acc.n_samples == 0 and acc.n_dropped:
+            # every calibration row reaching this linear held NaN/inf (one poisoned token spreads to the
+            # whole sequence through attention): no Hessian to solve with, so round to nearest instead
+            warnings.warn(f"GPTQ: all {acc.n_dropped} calibration rows for {name} contain NaN/inf; "
+                          "quantizing it with RTN instead", RuntimeWarning, stacklevel=2)
+            self.layer_stats[name] = {"fallback": "rtn", "dropped": acc.n_dropped}
+            return rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias)
         if acc is None or acc.n_samples == 0:
             raise QuantkitError(f"GPTQ saw no calibration inputs for {name}; check the dataset")
         o = self.options

@@ -7,6 +7,7 @@ checkpoint only through ``format.unpack``; it never adds bias (QuantLinear does)
   matvec: int4 1.2 ms in bf16 vs 24 ms fp16 and 61 ms fp32; int8 1.2 ms bf16 vs 30/43 ms), so
   activations are cast to bf16 and the result back to the input dtype. Shapes the kernels cannot
   take fall back to a cached dequantized weight, with one notice per reason.
+- W8A8 weights (int8 activations too) go to `runtime.w8a8`'s backends of the same names.
 - triton: quantkit.kernels' dequant-GEMM (split-K for decode, tiled tl.dot for prefill) on a
   one-time repack to the gptq layout; falls back to a cached dequantized weight where Triton cannot run.
 """
@@ -209,5 +210,10 @@ _CLASSES = {"reference": ReferenceBackend, "cpu": CpuBackend, "triton": TritonBa
 
 
 def build(name: str, qw: QuantizedWeight, device: torch.device):
-    """Backend `name` (already resolved from "auto") for weight `qw` living on `device`."""
+    """Backend `name` (already resolved from "auto") for weight `qw` living on `device`.
+    W8A8 weights (``qw.input_quant``) get the int8-activation backends of `runtime.w8a8`."""
+    if qw.input_quant is not None:
+        from quantkit.runtime import w8a8
+
+        return w8a8.CLASSES[name](qw, device)
     return _CLASSES[name](qw, device)

@@ -8,6 +8,8 @@ no pickle, ever.
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -52,6 +54,8 @@ def safetensors_files(folder: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
             raise QuantkitError(f"{index} is not a valid safetensors index; re-create the checkpoint") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+            raise QuantkitError(f"{index}: weight_map must map tensor names to shard file names")
         files = []
         for name in sorted(set(weight_map.values())):
             f = (folder / name)
@@ -70,22 +74,71 @@ def safetensors_files(folder: Path) -> list[Path]:
     raise QuantkitError(f"{folder} has no model.safetensors or model.safetensors.index.json")
 
 
-def read_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
+def read_state_dict(files: list[Path], with_files: bool = False):
+    """All tensors of the checkpoint (and, with `with_files`, tensor name -> the file it came from)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}
     for f in files:
         try:
             tensors = load_file(str(f))
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        except (SafetensorError, OSError, ValueError, RuntimeError, TypeError, KeyError, OverflowError,
+                MemoryError) as exc:
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise QuantkitError(f"{f} is not a valid safetensors file ({detail}); re-download or re-create it") from None
         dup = state.keys() & tensors.keys()
         if dup:
             raise QuantkitError(f"{f} repeats tensor {sorted(dup)[0]} from another shard")
         state.update(tensors)
-    return state
+        where.update(dict.fromkeys(tensors, f))
+    return (state, where) if with_files else state
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _check_layer_count(config, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """A config claiming far more decoder layers than the weights hold would have us build (and
+    then reject) millions of modules; compare with the highest `layers.N.` index first."""
+    n = getattr(config, "num_hidden_layers", None)
+    if not isinstance(n, int) or isinstance(n, bool):
+        return
+    indices = [int(m.group(1)) for m in map(_LAYER_INDEX.search, state) if m]
+    if indices and n > max(indices) + 1:
+        raise QuantkitError(f"{folder}/config.json says num_hidden_layers={n}, the weights hold "
+                            f"{max(indices) + 1} layers; the config and the weights disagree")
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+
+
+def _check_packed_tensors(fmt, specs, state: dict[str, torch.Tensor], where: dict[str, Path], folder: Path) -> None:
+    """Every packed tensor a quantized linear needs is there with the format's shape, before any
+    buffer is allocated: a config lying about shapes must not make us allocate its sizes, and a
+    missing tensor must not leave a zero-filled buffer behind."""
+    for name, spec in specs.items():
+        try:
+            shapes = fmt.packed_shapes(spec)
+            optional = set(fmt.default_tensors(spec))
+        except QuantkitError as exc:
+            raise QuantkitError(f"{folder}/config.json: {name}: {exc}") from None
+        for suffix, (shape, dtype) in shapes.items():
+            key = f"{name}.{suffix}"
+            if key not in state:
+                if suffix in optional:
+                    continue
+                raise QuantkitError(f"{folder}: checkpoint is missing tensor {key} (quantized {fmt.NAME} linear)")
+            t = state[key]
+            if tuple(t.shape) != tuple(shape):
+                raise QuantkitError(f"{where[key]}: tensor {key} has shape {tuple(t.shape)}, the config implies "
+                                    f"{tuple(shape)}; the config and the weights disagree")
+            if t.is_floating_point() != dtype.is_floating_point:
+                raise QuantkitError(f"{where[key]}: tensor {key} has dtype {str(t.dtype).replace('torch.', '')}, "
+                                    f"expected {str(dtype).replace('torch.', '')}")
 
 
 def _clean_config(cfg: dict, folder: Path, trust_remote_code: bool):
@@ -93,11 +146,30 @@ def _clean_config(cfg: dict, folder: Path, trust_remote_code: bool):
 
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise QuantkitError(f"{folder}/config.json is not a usable model config ({str(exc).splitlines()[0]})") from None
+    except Exception as exc:  # transformers raises anything on a garbage config; none of it is ours
+        raise QuantkitError(f"{folder}/config.json is not a usable model config ({_first_line(exc)})") from None
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    _check_config_values(config, folder)
     return config
+
+
+_POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "vocab_size", "max_position_embeddings", "head_dim", "ffn_dim")
+_NON_NEGATIVE_FLOATS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta")
+
+
+def _check_config_values(config, folder: Path) -> None:
+    """Sizes must be positive integers and epsilons finite and non-negative: transformers accepts
+    almost anything here and then computes garbage (a negative eps turns every logit into NaN)."""
+    for key in _POSITIVE_INTS:
+        v = getattr(config, key, None)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise QuantkitError(f"{folder}/config.json: {key} must be a positive integer, got {v!r}")
+    for key in _NON_NEGATIVE_FLOATS:
+        v = getattr(config, key, None)
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0):
+            raise QuantkitError(f"{folder}/config.json: {key} must be a finite non-negative number, got {v!r}")
 
 
 def load_model(path: str, backend: str = "auto", device: Optional[str] = None, dtype: Optional[str] = None,
@@ -128,20 +200,31 @@ def load_model(path: str, backend: str = "auto", device: Optional[str] = None, d
     fmt = get_format(QUANT_METHOD_TO_FORMAT[method])
     config = _clean_config(cfg, folder, trust_remote_code)
     act_dtype = parse_dtype(dtype) or default_compute_dtype(config, device)
+    state, where = read_state_dict(files, with_files=True)
+    _check_layer_count(config, state, folder)
     try:
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=act_dtype, trust_remote_code=trust_remote_code)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise QuantkitError(f"{folder}/config.json: cannot build the model ({str(exc).splitlines()[0]})") from None
+    except Exception as exc:  # a config transformers cannot build from (zero heads, wrong types, ...)
+        raise QuantkitError(f"{folder}/config.json: cannot build the model ({_first_line(exc)})") from None
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    specs = fmt.parse_quantization_config(qcfg, list(linears), {n: (m.out_features, m.in_features) for n, m in linears.items()})
-    state = read_state_dict(files)
+    try:
+        specs = fmt.parse_quantization_config(qcfg, list(linears),
+                                              {n: (m.out_features, m.in_features) for n, m in linears.items()})
+    except QuantkitError as exc:
+        raise QuantkitError(f"{folder}/config.json: {exc}") from None
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        raise QuantkitError(f"{folder}/config.json: malformed quantization_config ({_first_line(exc)})") from None
+    _check_packed_tensors(fmt, specs, state, where, folder)
     for name, spec in specs.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         has_bias = f"{name}.bias" in state
-        setattr(parent, child, QuantLinear(spec, fmt.NAME, bias=has_bias, dtype=act_dtype, backend=backend))
-    _assign_state(model, state, folder)
+        module = QuantLinear(spec, fmt.NAME, bias=has_bias, dtype=act_dtype, backend=backend)
+        packed_file = next((where[f"{name}.{s}"] for s in module._packed_names if f"{name}.{s}" in where), folder)
+        module.source = f"{packed_file} ({name})"  # unpacking (first forward) names the file in its errors
+        setattr(parent, child, module)
+    _assign_state(model, state, folder, where)
     _cast_unquantized(model, act_dtype)
     model.to(device)
     model.eval()
@@ -161,17 +244,24 @@ def default_compute_dtype(config, device: torch.device) -> Optional[torch.dtype]
     return source_dtype(config) if config is not None else None
 
 
-def _assign_state(model: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
+def _assign_state(model: nn.Module, state: dict[str, torch.Tensor], folder: Path,
+                  where: Optional[dict[str, Path]] = None) -> None:
     expected = model.state_dict()
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
-        raise QuantkitError(f"{folder}: tensor {unexpected[0]} (and {len(unexpected) - 1} more) does not belong to this "
+        raise QuantkitError(f"{(where or {}).get(unexpected[0], folder)}: tensor {unexpected[0]} (and {len(unexpected) - 1} more) does not belong to this "
                             "model; the config and the weights disagree")
     for key, tensor in state.items():
         want = expected[key]
+        src = (where or {}).get(key, folder)  # the shard file that holds it
         if tuple(want.shape) != tuple(tensor.shape):
-            raise QuantkitError(f"{folder}: tensor {key} has shape {tuple(tensor.shape)}, the config implies "
+            raise QuantkitError(f"{src}: tensor {key} has shape {tuple(tensor.shape)}, the config implies "
                                 f"{tuple(want.shape)}; the config and the weights disagree")
+        if want.is_floating_point() != tensor.is_floating_point() or tensor.is_complex():
+            raise QuantkitError(f"{src}: tensor {key} has dtype {str(tensor.dtype).replace('torch.', '')}, "
+                                f"expected {str(want.dtype).replace('torch.', '')}")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise QuantkitError(f"{src}: tensor {key} contains NaN/inf values; the checkpoint is corrupt")
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
@@ -195,11 +285,23 @@ def _load_plain(folder: Path, files: list[Path], dtype, device, trust_remote_cod
     """An unquantized HF folder (a baseline): plain transformers, safetensors only."""
     from transformers import AutoModelForCausalLM
 
+    read_state_dict(files)  # a corrupt file is named as such, not as whatever transformers trips over
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or "auto", use_safetensors=True,
-                                                     trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise QuantkitError(f"could not load {folder}: {str(exc).strip().splitlines()[0]}") from None
+        model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or "auto", use_safetensors=True,
+                                                           trust_remote_code=trust_remote_code, output_loading_info=True)
+    except Exception as exc:  # garbage configs make transformers raise anything
+        raise QuantkitError(f"could not load {folder}: {_first_line(exc)}") from None
+    # transformers fills missing weights with random values and drops unknown ones, with a log line
+    # at most: for a checkpoint that is corruption, not a model
+    for kind, what in (("missing_keys", "is missing tensor"), ("unexpected_keys", "holds unexpected tensor"),
+                       ("mismatched_keys", "has a wrongly shaped tensor")):
+        keys = sorted(str(k) for k in (info.get(kind) or []))
+        if keys:
+            raise QuantkitError(f"{folder} {what} {keys[0]} (and {len(keys) - 1} more); the config and the weights "
+                                "disagree")
+    for name, t in model.state_dict().items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise QuantkitError(f"{folder}: tensor {name} contains NaN/inf values; the checkpoint is corrupt")
     return model.to(device).eval()
 
 

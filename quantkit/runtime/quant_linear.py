@@ -81,7 +81,13 @@ class QuantLinear(nn.Module):
     def prepare(self) -> None:
         device = next(iter(self.packed_tensors().values())).device
         name = backends.resolve(self.backend, device)
-        qw = self.format.unpack(self.packed_tensors(), self.spec)
+        try:
+            qw = self.format.unpack(self.packed_tensors(), self.spec)
+        except QuantkitError as exc:
+            source = getattr(self, "source", None)  # "file (module)", set by the loader
+            if source is None:
+                raise
+            raise QuantkitError(f"{source}: {exc}") from None
         self._impl = backends.build(name, qw, device)
 
     def _apply(self, fn, *args, **kwargs):
@@ -114,4 +120,5 @@ class QuantLinear(nn.Module):
         s = self.spec
         return (f"in_features={s.in_features}, out_features={s.out_features}, bits={s.bits}, "
                 f"group_size={s.group_size}, sym={s.sym}, act_order={s.act_order}, "
+                + (f"input_quant={s.input_quant}, " if s.input_quant else "") +
                 f"format={self.format.NAME}, backend={self.backend}, bias={self.bias is not None}")

@@ -1,0 +1,325 @@
+"""SmoothQuant (Xiao et al., 2023) with W8A8 int8 output, as a quantizer plugin.
+
+Why: int8 activations break LLMs because a few input channels carry outliers 10-100x the rest,
+always the same channels, so per-token scales cannot absorb them. SmoothQuant moves part of that
+range into the weights, which are quantized per output channel and tolerate it. Per group of
+linears fed by a norm (the adapter's ``input_groups`` of kind "norm": norm -> q/k/v, norm ->
+gate/up, Phi-3's fused projections, OPT's LayerNorms -> q/k/v and -> fc1; linear -> linear groups
+are left alone, as in the paper):
+
+    s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)     (max|W_j| over column j of all the group's linears)
+
+and ``fold_scales`` divides the norm by s and multiplies the weight columns by s (exact in full
+precision). Per decoder layer, in ``begin_layer``:
+
+1. one hooked calibration pass records max|x| per input channel of every group and, for
+   ``alpha: auto``, the inputs of the group's block (``InputGroup.inspect``: attention, MLP, or
+   OPT's fc1) for whole sequences up to ``search_tokens``;
+2. ``alpha: auto``: for alpha in 0, step, ..., 1 the group is smoothed and fake-quantized W8A8
+   (RTN int8 weights per channel, int8 inputs as configured) and the alpha with the lowest MSE of
+   the block output against full precision wins (ties keep the smaller alpha);
+3. the scales are folded.
+
+The weights are then quantized int8 symmetric per output channel by RTN or by GPTQ
+(``weight_method: gptq``, which sees the smoothed inputs; GPTQ's options pass through), and every
+`QuantizedWeight` carries ``input_quant``: dynamic per token, or (``activations: static``) a
+per-tensor scale max|x|/127 over the calibration set of that linear's smoothed input, rounded to
+fp16 like the weight scales. Alphas and search losses are kept per layer in ``search_log``.
+``smooth: false`` gives plain W8A8 (the baseline smoothing is measured against); dynamic RTN then
+needs no calibration data, and the driver's per-stage observe pass runs only when static scales or
+GPTQ need it (``needs_observe``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantkit.calibrate import _to
+from quantkit.errors import QuantkitError
+from quantkit.models.base import NORM
+from quantkit.models.folding import fold_scales
+from quantkit.quantizers.awq import _first_output, _slice_batch, fake_quantize_grouped
+from quantkit.quantizers.base import LayerContext, Quantizer, register_quantizer
+from quantkit.quantizers.gptq import GPTQQuantizer
+from quantkit.quantizers.grid import SCALE_DTYPE, rtn_quantize
+from quantkit.scheme import LinearScheme
+
+W8 = LinearScheme(bits=8, group_size=-1, sym=True)
+SCALE_MIN = 1e-5  # SmoothQuant's clamp of the weight maxima and of the scales
+_OWN_OPTIONS = {
+    "smooth": True,  # false: plain W8A8 (the baseline smoothing is measured against)
+    "alpha": 0.5,  # migration strength in [0, 1], or "auto" (per-group search)
+    "alpha_step": 0.1,  # grid step of the auto search
+    "search_tokens": 2048,  # tokens (whole sequences) the auto search loss runs on; 0: all
+    "activations": "dynamic",  # dynamic (int8 per token at run time) | static (calibrated per tensor)
+    "weight_method": "rtn",  # rtn | gptq
+}
+
+
+def smooth_scales(x_max: torch.Tensor, w_max: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SmoothQuant's s = max|X|^a / max|W|^(1-a), clamped at 1e-5 (non-finite entries become 1)."""
+    s = x_max.float().pow(alpha) / w_max.float().clamp(min=SCALE_MIN).pow(1 - alpha)
+    s = s.clamp(min=SCALE_MIN)
+    return torch.where(torch.isfinite(s), s, torch.ones_like(s))
+
+
+def fake_quant_input(x: torch.Tensor, static_amax: float | None = None) -> torch.Tensor:
+    """int8 quantize-dequantize of an input as the W8A8 runtime does: per token, or per tensor."""
+    xf = x.float()
+    if static_amax is None:
+        scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0
+    else:
+        scale = torch.full((), static_amax / 127.0, device=x.device)
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return (torch.round(xf / safe).clamp(-128, 127) * scale).to(x.dtype)
+
+
+class _Seen(Exception):
+    """Stops a calibration forward once every hooked input has been recorded."""
+
+
+@register_quantizer
+class SmoothQuantQuantizer(Quantizer):
+    name = "smoothquant"
+    default_sym = True
+    default_format = "compressed-tensors"
+    needs_calibration = True
+    default_scheme = {"bits": 8, "group_size": -1}
+    quantizes_activations = True
+    options_spec = {**_OWN_OPTIONS, **GPTQQuantizer.options_spec}  # gptq's apply with weight_method gptq
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        o = self.options
+        alpha = o["alpha"]
+        if isinstance(alpha, str) and alpha.strip().lower() == "auto":
+            o["alpha"] = "auto"
+        elif isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+            raise QuantkitError(f"smoothquant option alpha must be a number in [0, 1] or 'auto', got {alpha!r}")
+        step = o["alpha_step"]
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not 0 < step <= 1:
+            raise QuantkitError(f"smoothquant option alpha_step must be in (0, 1], got {o['alpha_step']!r}")
+        if isinstance(o["search_tokens"], bool) or not isinstance(o["search_tokens"], int) or o["search_tokens"] < 0:
+            raise QuantkitError(f"smoothquant option search_tokens must be a non-negative integer, got {o['search_tokens']!r}")
+        if o["activations"] not in ("dynamic", "static"):
+            raise QuantkitError(f"smoothquant option activations must be dynamic or static, got {o['activations']!r}")
+        if o["weight_method"] not in ("rtn", "gptq"):
+            raise QuantkitError(f"smoothquant option weight_method must be rtn or gptq, got {o['weight_method']!r}")
+        gptq_opts = {k: o[k] for k in GPTQQuantizer.options_spec}
+        self._gptq = GPTQQuantizer(**gptq_opts) if o["weight_method"] == "gptq" else None
+        changed = sorted(k for k, v in gptq_opts.items() if v != GPTQQuantizer.options_spec[k])
+        if self._gptq is None and changed:
+            raise QuantkitError(f"smoothquant: GPTQ option(s) {changed} need weight_method=gptq "
+                                "(or the recipe method [smoothquant, gptq])")
+        # plain dynamic W8A8 by RTN looks at no data (an instance attribute: the driver reads it)
+        self.needs_observe = o["activations"] == "static" or self._gptq is not None
+        self.needs_calibration = bool(o["smooth"]) or self.needs_observe
+        self._amax: dict[str, float] = {}  # linear -> max|x| of its (smoothed) input, static activations
+        self.search_log: dict[int, list[dict[str, Any]]] = {}
+
+    def check_scheme(self, scheme) -> None:
+        entries = [("scheme", scheme.bits, scheme.group_size, scheme.sym)]
+        entries += [(f"override {o.pattern!r}", o.bits, o.group_size, o.sym) for o in scheme.overrides]
+        for where, bits, group_size, sym in entries:
+            if bits not in (None, 8):
+                raise QuantkitError(f"smoothquant produces W8A8: bits must be 8, not {bits} ({where}); "
+                                    "for 4-bit weights use gptq or awq")
+            if group_size not in (None, -1):
+                raise QuantkitError(f"smoothquant W8A8 uses per-channel weight scales: group_size must be -1, "
+                                    f"not {group_size} ({where})")
+            if sym is False:
+                raise QuantkitError(f"smoothquant W8A8 is symmetric; drop --asym ({where})")
+
+    def describe(self) -> dict[str, Any]:
+        keep = set(_OWN_OPTIONS) | (set(GPTQQuantizer.options_spec) if self._gptq else set())
+        return {"method": self.name, **{k: v for k, v in self.options.items() if k in keep}}
+
+    # -- driver hooks --------------------------------------------------------------------
+    def stages(self, ctx: LayerContext) -> list[list[str]]:
+        return self._gptq.stages(ctx) if self._gptq else super().stages(ctx)
+
+    def begin_layer(self, ctx: LayerContext) -> None:
+        layer = ctx.layer
+        groups = [g for g in ctx.adapter.input_groups(layer, ctx.config)
+                  if g.kind == NORM and any(n in ctx.schemes for n in g.linears)]
+        log: list[dict[str, Any]] = []
+        self.search_log[ctx.index] = log
+        if not self.options["smooth"] or not groups or not ctx.inputs:
+            return
+        x_max, block_inputs = self._capture(ctx, groups)
+        for g in groups:
+            w_max = torch.stack([layer.get_submodule(n).weight.detach().abs().amax(dim=0).float()
+                                 for n in g.linears]).amax(dim=0)
+            xm = x_max[g.prev].to(w_max.device)
+            entry: dict[str, Any] = {"prev": g.prev, "linears": g.linears}
+            if self.options["alpha"] == "auto":
+                entry["alpha"], entry["losses"] = self._search(ctx, g, xm, w_max, block_inputs[g.inspect])
+            else:
+                entry["alpha"] = float(self.options["alpha"])
+            s = smooth_scales(xm, w_max, entry["alpha"])
+            fold_scales(layer, g, s)
+            entry["scales"] = s.cpu()
+            log.append(entry)
+
+    def observe(self, name: str, module: nn.Module, x: torch.Tensor) -> None:
+        if self.options["activations"] == "static":
+            self._amax[name] = max(self._amax.get(name, 0.0), float(x.detach().abs().max()))
+        if self._gptq is not None:
+            self._gptq.observe(name, module, x)
+
+    def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme):
+        if scheme != W8:
+            raise QuantkitError(f"smoothquant quantizes W8A8 (8-bit symmetric per channel), got {scheme} for {name}")
+        if self._gptq is not None:
+            qw = self._gptq.quantize_linear(name, module, scheme)
+            qw.act_order = "none"  # per channel is one group: the processing order leaves no trace
+        else:
+            qw = rtn_quantize(module.weight.data, 8, -1, True, module.bias)
+        if self.options["activations"] == "dynamic":
+            qw.input_quant = {"strategy": "token", "dynamic": True}
+        else:
+            if name not in self._amax:
+                raise QuantkitError(f"smoothquant saw no calibration inputs for {name}; check the dataset")
+            tiny = torch.finfo(SCALE_DTYPE).tiny
+            scale = torch.tensor([max(self._amax.pop(name) / 127.0, tiny)]).to(SCALE_DTYPE).float()
+            qw.input_quant = {"strategy": "tensor", "dynamic": False, "scale": scale}
+        return qw
+
+    def end_layer(self, ctx: LayerContext) -> None:
+        if self._gptq is not None:
+            self._gptq.end_layer(ctx)
+        self._amax.clear()
+
+    # -- internals -------------------------------------------------------------------------
+    @torch.no_grad()
+    def _capture(self, ctx: LayerContext, groups) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+        """max|x| per channel of each group's input (keyed by prev) and, for the search, block inputs."""
+        x_max: dict[str, torch.Tensor] = {}
+        block_inputs: dict[str, list] = {}
+        search = self.options["alpha"] == "auto"
+        budget = int(self.options["search_tokens"]) or math.inf
+        shapes = [(h.shape[0], h.shape[1] if h.dim() > 2 else 1) for h, _ in ctx.inputs]
+        rows, left = [], budget
+        for b, t in shapes:  # whole sequences, in order, up to the token budget
+            r = 0 if left <= 0 else min(b, max(1, math.ceil(left / t)))
+            rows.append(r)
+            left -= r * t
+        calls: dict[str, int] = {}
+
+        def amax_hook(prev):
+            def hook(module, args):
+                x = args[0].detach()
+                m = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+                x_max[prev] = m if prev not in x_max else torch.maximum(x_max[prev], m)
+            return hook
+
+        def block_hook(name):
+            def hook(module, args, kwargs):
+                i = calls.get(name, 0)
+                calls[name] = i + 1
+                if i < len(shapes) and rows[i] > 0:
+                    b, t = shapes[i]
+                    block_inputs.setdefault(name, []).append((_slice_batch(args, rows[i], b, t),
+                                                              _slice_batch(kwargs, rows[i], b, t)))
+            return hook
+
+        def stop_when_all_seen(module, args):
+            seen.add(module)
+            if len(seen) == len(hooked):
+                raise _Seen  # the rest of the layer (most of the MLP) is not needed
+
+        hooked = {ctx.layer.get_submodule(g.linears[0]) for g in groups}
+        handles = [ctx.layer.get_submodule(g.linears[0]).register_forward_pre_hook(amax_hook(g.prev)) for g in groups]
+        if search:
+            handles += [ctx.layer.get_submodule(n).register_forward_pre_hook(block_hook(n), with_kwargs=True)
+                        for n in sorted({g.inspect for g in groups})]
+        handles += [m.register_forward_pre_hook(stop_when_all_seen) for m in hooked]  # after the others
+        seen: set = set()
+        params = next(ctx.layer.parameters())
+        try:
+            for hidden, kwargs in ctx.inputs:
+                seen.clear()
+                try:
+                    ctx.layer(hidden.to(device=params.device, dtype=params.dtype), **_to(kwargs, params.device))
+                except _Seen:
+                    pass
+        finally:
+            for h in handles:
+                h.remove()
+        return x_max, block_inputs
+
+    @torch.no_grad()
+    def _search(self, ctx: LayerContext, group, x_max: torch.Tensor, w_max: torch.Tensor, batches: list):
+        """Alpha with the lowest block-output MSE when the group is smoothed and fake-quantized W8A8."""
+        layer = ctx.layer
+        block = layer.get_submodule(group.inspect)
+        linears = {n: layer.get_submodule(n) for n in group.linears}
+        originals = {n: m.weight.data.clone() for n, m in linears.items()}
+        static = self.options["activations"] == "static"
+        run = lambda: [_first_output(block(*a, **k)).float() for a, k in batches]  # noqa: E731
+        reference = run()
+        numel = sum(r.numel() for r in reference)
+        n_steps = round(1 / float(self.options["alpha_step"]))
+        alphas = sorted({min(1.0, round(i * float(self.options["alpha_step"]), 6)) for i in range(n_steps + 1)})
+        losses, best = [], (math.inf, None)
+        state = {}
+
+        def input_hook(name):
+            def hook(module, args):
+                x = args[0] / state["s"].to(args[0].dtype)
+                if name in ctx.schemes:
+                    x = fake_quant_input(x, state["amax"])
+                return (x, *args[1:])
+            return hook
+
+        handles = [m.register_forward_pre_hook(input_hook(n)) for n, m in linears.items()]
+        try:
+            for alpha in alphas:
+                s = smooth_scales(x_max, w_max, alpha)
+                state["s"] = s
+                state["amax"] = float((x_max / s).max()) if static else None
+                for n, m in linears.items():
+                    w = originals[n].float() * s.view(1, -1)
+                    m.weight.data = (fake_quantize_grouped(w, W8) if n in ctx.schemes else w).to(m.weight.dtype)
+                loss = sum(float((o - r).pow(2).sum()) for o, r in zip(run(), reference)) / max(1, numel)
+                losses.append(loss)
+                if loss < best[0]:
+                    best = (loss, alpha)
+        finally:
+            for h in handles:
+                h.remove()
+            for n, m in linears.items():
+                m.weight.data = originals[n]
+        if best[1] is None:
+            raise QuantkitError(f"smoothquant: the alpha search for {group.linears} produced no finite loss; "
+                                "the calibration data or weights contain NaN/inf")
+        return best[1], dict(zip(alphas, losses))
+
+
+@torch.no_grad()
+def smooth_model(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 8, **options) -> dict[int, list]:
+    """Smooth every decoder layer of a CPU float model in place, without quantizing anything.
+
+    The same per-layer ``begin_layer`` as a quantization run (options as for the method, e.g.
+    ``alpha``); useful to check invariance or to hand a smoothed model to another tool.
+    Returns the per-layer ``search_log``.
+    """
+    from quantkit.calibrate import capture_layer_inputs
+    from quantkit.models import get_adapter
+
+    adapter = get_adapter(model)
+    quantizer = SmoothQuantQuantizer(**options)
+    inputs = capture_layer_inputs(model, adapter, input_ids, batch_size, "cpu", "cpu")
+    prefix = adapter.layers_prefix(model)
+    for i, layer in enumerate(adapter.decoder_layers(model)):
+        def run_layer(layer=layer):
+            return [_first_output(layer(h, **kw)) for h, kw in inputs]
+
+        schemes = {n: W8 for n in adapter.linear_names(layer)}
+        quantizer.begin_layer(LayerContext(index=i, layer=layer, prefix=f"{prefix}.{i}.", adapter=adapter,
+                                           config=model.config, schemes=schemes, inputs=inputs, run_layer=run_layer))
+        inputs = [(out, kw) for out, (_, kw) in zip(run_layer(), inputs)]
+    return quantizer.search_log
