@@ -139,8 +139,26 @@ def load_streaming_model(folder: Path, dtype: torch.dtype, trust_remote_code: bo
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.eval()
+    _load_generation_config(model, folder)
     from quantkit.models import get_adapter
 
     source = LazyLayers(model, folder, get_adapter(model).layers_prefix(model), dtype)
     source.load_non_layer_tensors()
     return model, source
+
+
+def _load_generation_config(model, folder: Path) -> None:
+    """The generation config exactly as `from_pretrained` (the whole-model path) builds it, so both
+    paths write the same generation_config.json: the folder's file, else one read from config.json."""
+    from transformers import GenerationConfig
+
+    if getattr(model, "generation_config", None) is None:
+        return
+    try:
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(folder)
+        except OSError:
+            model.generation_config = GenerationConfig.from_pretrained(folder, config_file_name="config.json",
+                                                                       _from_model_config=True)
+    except (OSError, ValueError, TypeError):
+        pass  # keep the one from_config derived

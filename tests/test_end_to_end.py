@@ -7,7 +7,7 @@ import torch
 from conftest import last_json, run_cli
 
 pytestmark = pytest.mark.slow
-MAX_WINDOWS = 12
+MAX_WINDOWS = 8
 
 
 @pytest.fixture(scope="module")

