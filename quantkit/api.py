@@ -111,7 +111,13 @@ def quantize(
         model, dtype=torch.float32, trust_remote_code=trust_remote_code, streaming=streaming)
     save_dtype = parse_dtype(dtype) or source_dtype(hf_model.config)
     adapter = get_adapter(hf_model)
-    schemes = scheme.resolve(linear_shapes(hf_model))
+    shapes = linear_shapes(hf_model)
+    schemes = scheme.resolve(shapes)
+    for name, lin_scheme in schemes.items():  # refuse what the format cannot store before calibrating
+        try:
+            fmt.packed_shapes(quantizer.planned_spec(*shapes[name], lin_scheme))
+        except QuantkitError as err:
+            raise QuantkitError(f"{name}: {err} (choose another --format or scheme)") from None
     groups = sorted({s.group_size for s in schemes.values()})
     if output is None:
         g = groups[0] if len(groups) == 1 else "mixed"

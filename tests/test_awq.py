@@ -332,7 +332,7 @@ def test_demo_perplexity_awq_beats_rtn():
     samples = int(os.environ.get("QUANTKIT_AWQ_SAMPLES", 16))
     search_tokens = int(os.environ.get("QUANTKIT_AWQ_SEARCH_TOKENS", 2048))
     windows = int(os.environ.get("QUANTKIT_AWQ_EVAL_WINDOWS", 16))
-    model, tok, _ = load_source_model("demo", dtype=torch.float32)
+    model, tok, *_ = load_source_model("demo", dtype=torch.float32)
     fp_state = copy.deepcopy(model.state_dict())
     adapter = get_adapter(model)
     schemes = QuantScheme(bits=4, group_size=64, sym=False).resolve(linear_shapes(model))
@@ -362,3 +362,45 @@ def test_demo_perplexity_awq_beats_rtn():
     assert results["awq"] < results["rtn"]
     assert results["awq_noclip"] < results["rtn"]
     assert results["awq"] <= results["awq_noclip"] * 1.01
+
+
+# ------------------------------------------------------------- through the public API
+
+def test_api_writes_awq_gemm_checkpoint_that_loads(tmp_path, tiny_llama_dir):
+    """quantkit.quantize(method="awq") writes the AWQ-GEMM layout by default and quantkit.load runs it
+    (the layout's bits are checked against an independent unpacker in test_formats)."""
+    import json
+
+    import quantkit
+    from quantkit.runtime.quant_linear import QuantLinear
+
+    out = tmp_path / "awq"
+    summary = quantkit.quantize(str(tiny_llama_dir), "awq", group_size=32, num_samples=4, seq_len=32, output=out,
+                                progress=False, options={"n_grid": 4, "clip_n_grid": 4})
+    assert summary["format"] == "awq" and summary["quantized_linears"] == 14
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (qcfg["quant_method"], qcfg["version"], qcfg["bits"], qcfg["group_size"], qcfg["zero_point"]) == \
+        ("awq", "gemm", 4, 32, True)
+    model = quantkit.load(out, backend="reference")
+    qlinears = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert len(qlinears) == 14
+    ids = torch.randint(0, 1000, (1, 16))
+    logits = model(ids).logits
+    assert logits.shape == (1, 16, 49152) and torch.isfinite(logits).all()
+
+
+def test_format_refuses_scheme_before_calibration(tmp_path, tiny_llama_dir, monkeypatch):
+    """awq + 3-bit used to fail only when the checkpoint was written, after the whole calibration."""
+    import quantkit
+    from quantkit import calibrate
+
+    def boom(*a, **k):
+        raise AssertionError("calibration started")
+
+    monkeypatch.setattr(calibrate, "quantize_model", boom)
+    with pytest.raises(QuantkitError, match="awq .gemm. stores 4-bit weights only.*choose another --format"):
+        quantkit.quantize(str(tiny_llama_dir), "awq", bits=3, group_size=32, output=tmp_path / "x", progress=False)
+    with pytest.raises(QuantkitError, match="dynamic act-order"):
+        quantkit.quantize(str(tiny_llama_dir), "gptq", group_size=32, format="compressed-tensors",
+                          options={"desc_act": True}, output=tmp_path / "y", progress=False)
+    assert not list(tmp_path.iterdir())

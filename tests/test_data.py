@@ -247,7 +247,7 @@ def test_lee_with_demo_tokenizer(monkeypatch):
     monkeypatch.delenv("QUANTKIT_CACHE")  # the real cache: the download and conversion happen once
     tok = AutoTokenizer.from_pretrained(assets.demo_model_dir())
     cal, ev = data.load_texts("lee", "calibration"), data.load_texts("lee", "eval")
-    assert (len(cal), len(ev)) == (240, 60) and not set(cal) & set(ev)
+    assert (len(cal), len(ev)) == (270, 30) and not set(cal) & set(ev)  # 90/10 by documents
     batches = data.calibration_batches("lee", tok, num_samples=64, seq_len=512)
     assert batches.shape == (64, 512)
     assert torch.equal(batches, data.calibration_batches("lee", tok, num_samples=64, seq_len=512))

@@ -191,6 +191,7 @@ class AWQQuantizer(Quantizer):
     default_sym = False
     default_format = "awq"
     needs_calibration = True
+    needs_observe = False  # the statistics come from begin_layer's own pass; quantize_linear only rounds
     options_spec = {
         "duo_scaling": True,  # s = x_mean^a / w_mean^(1-a) (AutoAWQ's default) instead of x_mean^a
         "n_grid": 20,  # alpha grid {0, 1/n, ..., (n-1)/n}

@@ -57,6 +57,13 @@ class Quantizer:
     def check_scheme(self, scheme) -> None:
         """Reject a QuantScheme the method cannot produce, before any model is loaded."""
 
+    def planned_spec(self, out_features: int, in_features: int, scheme: LinearScheme):
+        """The `LinearSpec` this method will produce for a linear, so the format can refuse it before
+        calibration starts (an hour of GPTQ must not end in 'awq stores 4-bit weights only')."""
+        from quantkit.formats.spec import LinearSpec
+
+        return LinearSpec(out_features, in_features, scheme.bits, scheme.group_size, scheme.sym)
+
     # -- driver hooks --------------------------------------------------------------------
     def stages(self, ctx: LayerContext) -> list[list[str]]:
         """Groups of linears (relative names) quantized together; later groups see earlier ones quantized."""

@@ -99,6 +99,14 @@ class GPTQQuantizer(Quantizer):
         self.layer_stats[name] = stats
         return qw
 
+    def planned_spec(self, out_features: int, in_features: int, scheme: LinearScheme):
+        from dataclasses import replace
+
+        o = self.options
+        order = ("none" if not o["desc_act"] else "static" if o["static_groups"] or scheme.group_size == -1
+                 else "dynamic")  # what gptq_quantize records
+        return replace(super().planned_spec(out_features, in_features, scheme), act_order=order)
+
     def end_layer(self, ctx: LayerContext) -> None:
         if self._hessians:
             warnings.warn(f"GPTQ: discarded unused Hessians for {sorted(self._hessians)}")

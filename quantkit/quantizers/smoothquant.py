@@ -120,6 +120,12 @@ class SmoothQuantQuantizer(Quantizer):
         self._amax: dict[str, float] = {}  # linear -> max|x| of its (smoothed) input, static activations
         self.search_log: dict[int, list[dict[str, Any]]] = {}
 
+    def planned_spec(self, out_features: int, in_features: int, scheme: LinearScheme):
+        from dataclasses import replace
+
+        strategy = "tensor" if self.options["activations"] == "static" else "token"
+        return replace(super().planned_spec(out_features, in_features, scheme), input_quant=strategy)
+
     def check_scheme(self, scheme) -> None:
         entries = [("scheme", scheme.bits, scheme.group_size, scheme.sym)]
         entries += [(f"override {o.pattern!r}", o.bits, o.group_size, o.sym) for o in scheme.overrides]
