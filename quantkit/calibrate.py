@@ -212,7 +212,7 @@ def _observe_stage(layer, modules: dict, quantizer: Quantizer, inputs: list, dev
 
     def observer(name):
         def hook(module, args):
-            quantizer.observe(name, module, args[0].detach())
+            quantizer.observe(name, module, args[0])  # the very tensor: q/k/v share it by identity (no_grad)
             seen.add(name)
             if len(seen) == len(modules):
                 raise _StopForward

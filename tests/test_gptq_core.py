@@ -346,3 +346,43 @@ def test_bias_weight_dtype_and_device_kept():
     qw, stats = gptq_quantize(W, H, 4, -1, True, bias=bias)
     assert torch.equal(qw.bias, bias) and qw.bias is not bias
     assert qw.qweight.device == W.device and set(stats) >= {"loss", "damp", "dead", "seconds"}
+
+
+def test_driver_shares_one_hessian_per_input_and_it_equals_the_inputs_gram():
+    """q/k/v (and gate/up) see one tensor: the driver must hand it over as that very tensor so the
+    plugin accumulates one Hessian for the group, and that Hessian is 2/n X^T X of the real inputs."""
+    import transformers
+
+    from quantkit.api import linear_shapes
+    from quantkit.calibrate import quantize_model
+    from quantkit.models import get_adapter
+    from quantkit.quantizers.gptq import GPTQQuantizer
+    from quantkit.scheme import QuantScheme
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(0, 128, (4, 16))
+    seen = []  # the q_proj input of the unquantized layer, as the model itself computes it
+    h = model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].clone()))
+    with torch.no_grad():
+        model(ids)
+    h.remove()
+    x = seen[0].reshape(-1, 64).double()
+
+    class Spy(GPTQQuantizer):
+        def quantize_linear(self, name, module, scheme):
+            grabbed.setdefault(name, self._hessians.get(name))
+            return super().quantize_linear(name, module, scheme)
+
+    grabbed = {}
+    schemes = QuantScheme(bits=4, group_size=32).resolve(linear_shapes(model))
+    quantize_model(model, get_adapter(model), Spy(), schemes, ids, batch_size=2, progress=False)
+    attn, mlp = "self_attn.", "mlp."
+    assert grabbed[attn + "q_proj"] is grabbed[attn + "k_proj"] is grabbed[attn + "v_proj"]
+    assert grabbed[mlp + "gate_proj"] is grabbed[mlp + "up_proj"]
+    assert grabbed[attn + "o_proj"] is not grabbed[attn + "q_proj"]
+    assert grabbed[mlp + "down_proj"] is not grabbed[mlp + "gate_proj"]
+    torch.testing.assert_close(grabbed[attn + "q_proj"].hessian().double(), 2 * x.T @ x / x.shape[0],
+                               rtol=1e-5, atol=1e-6)
