@@ -51,6 +51,32 @@ def should_stream(folder: Path, compute_dtype: torch.dtype) -> bool:
 
 
 _LIBC = None
+_M_MMAP_THRESHOLD = -3  # mallopt parameter (glibc malloc.h)
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL("libc.so.6")
+            _LIBC = libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else False
+        except OSError:
+            _LIBC = False
+    return _LIBC
+
+
+def bound_heap() -> None:
+    """Serve every allocation of 1 MiB or more with its own mmap (glibc; a no-op elsewhere).
+
+    glibc raises its mmap threshold to the size of the largest block freed (up to 32 MiB), so a
+    layer's many weight-sized temporaries come from the heap, fragment it and keep RSS well above
+    what is alive. With a fixed threshold they go back to the OS the moment they are freed; the
+    price is a page fault per fresh page, small next to the arithmetic done on them."""
+    libc = _libc()
+    if libc:
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
 
 
 def trim_heap() -> None:
@@ -59,17 +85,9 @@ def trim_heap() -> None:
     A layer's tensors and temporaries (tens of MB each) are mostly below glibc's dynamic mmap
     threshold, so they come from the heap; interleaved with the small long-lived allocations of
     each layer, the freed space is never returned and RSS grew by about one layer per layer."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL("libc.so.6")
-            _LIBC = libc if hasattr(libc, "malloc_trim") else False
-        except OSError:
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
+    libc = _libc()
+    if libc:
+        libc.malloc_trim(0)
 
 
 class LazyLayers:
@@ -120,13 +138,16 @@ class LazyLayers:
                 by_file.setdefault(path, []).append(key)
         out = {}
         for path, keys in by_file.items():
-            with safe_open(str(path), framework="pt") as f:
-                for key in keys:
-                    t = f.get_tensor(key)
-                    c = t.to(self.dtype) if t.is_floating_point() else t
-                    # layers get an owned copy, not a view of the file's mapping: a weight the quantizer
-                    # replaces is then freed at once instead of staying resident with the mapping
-                    out[key] = c.clone() if copy and c is t else c
+            # layers get owned copies, not views of the file's mapping (a weight the quantizer replaces
+            # is then freed at once instead of staying resident with the mapping), each read through a
+            # mapping of its own, so no more than one tensor is ever resident twice
+            for group in ([[k] for k in keys] if copy else [keys]):
+                with safe_open(str(path), framework="pt") as f:
+                    for key in group:
+                        t = f.get_tensor(key)
+                        c = t.to(self.dtype) if t.is_floating_point() else t
+                        out[key] = c.clone() if copy and c is t else c
+                        del t, c
         return out
 
 
@@ -135,6 +156,7 @@ def load_streaming_model(folder: Path, dtype: torch.dtype, trust_remote_code: bo
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    bound_heap()
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)

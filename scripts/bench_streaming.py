@@ -85,14 +85,19 @@ def quantize_cli(model: Path, output: Path, *args: str, timeout: float = 1800) -
     """`quantkit quantize --json` in a fresh subprocess; the summary plus `wall_s` (process wall time)."""
     cmd = [sys.executable, "-m", "quantkit.cli", "quantize", "--model", str(model), "--output", str(output), "--json",
            *args]
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
     wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise RuntimeError(f"quantize failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     summary["wall_s"] = round(wall, 1)
+    summary["cpu_s"] = round((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), 1)
     return summary
 
 
@@ -115,13 +120,14 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=4096)
     ap.add_argument("--method", default="rtn")
     ap.add_argument("--extra", default="", help="more quantize flags, e.g. '--num-samples 8 --seq-len 128'")
-    ap.add_argument("--workdir", default=None, help="where the model and outputs go (default: a temp folder, deleted)")
+    ap.add_argument("--workdir", default=None, help="where the model and outputs go (default: a temp folder)")
     ap.add_argument("--keep", action="store_true", help="keep the generated model and outputs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     from quantkit.assets import demo_model_dir
 
+    own = args.workdir is None
     work = Path(args.workdir or tempfile.mkdtemp(prefix="qk-stream-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -138,7 +144,7 @@ def main() -> None:
         same = tree_sha256(work / "out-streaming") == tree_sha256(work / "out-no-streaming")
         result = {"weights_mb": round(size / 2**20, 1), "layers": args.layers, "generate_s": round(gen_s, 1),
                   "method": args.method, "identical_output": same,
-                  **{f"{m}_{k}": rows[m][k] for m in rows for k in ("peak_rss_mb", "seconds", "wall_s")}}
+                  **{f"{m}_{k}": rows[m][k] for m in rows for k in ("peak_rss_mb", "seconds", "wall_s", "cpu_s")}}
         result["streaming_rss_fraction"] = round(result["streaming_peak_rss_mb"] / result["weights_mb"], 3)
         result["no-streaming_rss_fraction"] = round(result["no-streaming_peak_rss_mb"] / result["weights_mb"], 3)
         if args.json:
@@ -147,11 +153,13 @@ def main() -> None:
             print(f"model: {args.layers} layers, {result['weights_mb']:.0f} MB fp32 weights (generated in {gen_s:.0f} s)")
             for m in rows:
                 print(f"  {m:13s} peak RSS {rows[m]['peak_rss_mb']:8.0f} MB ({result[f'{m}_rss_fraction']:.0%} of weights)"
-                      f"  quantize {rows[m]['seconds']:7.1f} s  process {rows[m]['wall_s']:7.1f} s")
+                      f"  quantize {rows[m]['seconds']:7.1f} s  process {rows[m]['wall_s']:7.1f} s"
+                      f" (cpu {rows[m]['cpu_s']:.1f} s)")
             print(f"  outputs byte-identical: {same}")
     finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+        if not args.keep:  # only what this script made
+            for p in [work / "model", work / "out-streaming", work / "out-no-streaming"] + ([work] if own else []):
+                shutil.rmtree(p, ignore_errors=True)
 
 
 if __name__ == "__main__":

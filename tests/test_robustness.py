@@ -127,32 +127,38 @@ def test_demo_resume_after_sigint_is_byte_identical_and_runs_are_deterministic(t
 
 @pytest.fixture(scope="module")
 def small_llama_dir(tmp_path_factory) -> Path:
-    """8 random layers, the demo tokenizer (so calibration token ids fit the embedding)."""
+    """6 random layers, the demo tokenizer (so calibration token ids fit the embedding)."""
     from quantkit.assets import demo_model_dir
 
     out = tmp_path_factory.mktemp("small-llama")
-    bench.make_random_llama(out, layers=8, hidden=128, intermediate=384, heads=4, kv_heads=2, vocab=49152,
+    bench.make_random_llama(out, layers=6, hidden=128, intermediate=384, heads=4, kv_heads=2, vocab=49152,
                             layers_per_shard=3, seed=1, tokenizer_from=Path(demo_model_dir()))
     return out
 
 
-def test_gptq_resume_after_sigkill_replays_calibration_to_identical_bytes(tmp_path, small_llama_dir):
+def test_gptq_deterministic_and_resume_after_sigkill_replays_calibration(tmp_path, small_llama_dir):
+    """GPTQ with calibration: two runs give the same bytes; a SIGKILLed run resumed (the finished
+    layers restored, the calibration activations replayed through them) gives them too."""
     args = ["--model", small_llama_dir, "--method", "gptq", "--group-size", "32", "--num-samples", "8",
-            "--seq-len", "64", "--json"]
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    proc = run_cli("quantize", *args, "--output", ref)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+            "--seq-len", "64", "--seed", "3", "--json"]
+    ref, again, out = tmp_path / "ref", tmp_path / "again", tmp_path / "out"
+    for folder in (ref, again):
+        proc = run_cli("quantize", *args, "--output", folder)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     reference = tree_sha256(ref)
+    assert tree_sha256(again) == reference
+    assert "- seed: `3`" in (ref / "README.md").read_text()
 
     staging = tmp_path / ".out.partial"
     killed = interrupt_after_layer(args, out, layer=1, sig=signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
-    assert len(list(staging.glob("layers/layer-*.safetensors"))) < 8, "finished before the kill"
+    assert len(list(staging.glob("layers/layer-*.safetensors"))) < 6, "finished before the kill"
 
     # a resume with different settings is refused, the records untouched
     before = tree_sha256(staging)
-    assert_clean_error(run_cli("quantize", *args[:-1], "--seed", "5", "--json", "--output", out, "--resume"),
-                       "different settings", "calibration_digest")
+    other = [a if a != "3" else "5" for a in args]  # --seed 5: other calibration samples
+    assert_clean_error(run_cli("quantize", *other, "--output", out, "--resume"), "different settings",
+                       "calibration_digest")
     assert tree_sha256(staging) == before
 
     proc = run_cli("quantize", *args, "--output", out, "--resume")
