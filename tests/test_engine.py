@@ -651,3 +651,29 @@ def test_api_generate_text_and_run_bench(tiny_llama_dir):
     assert res["output_tokens"] == 15 and res["kv_cache_dtype"] == "int8"
     assert res["kv_blocks_used"] == 3 * math.ceil((20 + 5 - 1) / 8)  # the last token is never cached
     assert res["kv_bytes_per_block"] == 2 * 2 * 8 * 2 * (16 + 4)  # K+V, 2 layers, 8 tokens, 2 KV heads, 16 B + scale
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_quantized_projections_match_per_module_forward(kind):
+    """q/k/v and gate/up of QuantLinear layers run as one stacked matmul each (engine.fused): the
+    logits equal transformers' own forward through the separate quantized modules."""
+    from quantkit.quantizers.grid import rtn_quantize
+    from quantkit.runtime.quant_linear import QuantLinear
+
+    model = tiny_model(kind)
+    for layer in model.model.layers:
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for n in names:
+                lin = getattr(parent, n)
+                qw = rtn_quantize(lin.weight.data, 4, 16, False, lin.bias)
+                setattr(parent, n, QuantLinear.from_quantized(qw, "gptq", dtype=torch.float32, backend="reference"))
+    x = torch.randint(3, 256, (2, 13), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = model(x).logits
+    fn = engine_logits_fn(model, block_size=4, fuse_projections=True)
+    got = fn(x)
+    runner = fn.engine_state["engine"].runner
+    assert all(qkv is not None and gate_up is not None for qkv, gate_up in runner.fused)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert_pool_full(fn.engine_state["engine"])

@@ -70,14 +70,15 @@ class LLMEngine:
                  kv_cache_dtype: Union[str, torch.dtype, None] = "auto", max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 8192, enable_prefix_caching: bool = True,
                  num_kv_blocks: Optional[int] = None, kv_cache_fraction: Optional[float] = None,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", fuse_projections: Optional[bool] = None):
         if block_size < 1:
             raise QuantkitError(f"block_size must be at least 1, got {block_size}")
         self.model = model
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, block_size=block_size, kv_cache_dtype=kv_cache_dtype, num_blocks=num_kv_blocks,
                                   kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction,
-                                  max_num_seqs=max_num_seqs, attention_backend=attention_backend)
+                                  max_num_seqs=max_num_seqs, attention_backend=attention_backend,
+                                  fuse_projections=fuse_projections)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, eos_token_ids(model, tokenizer))
         self.sampler = Sampler()

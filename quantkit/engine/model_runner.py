@@ -81,7 +81,7 @@ class ModelRunner:
     def __init__(self, model, block_size: int = 16, kv_cache_dtype: Union[str, torch.dtype, None] = "auto",
                  num_blocks: Optional[int] = None, kv_cache_memory: Union[int, str, None] = None,
                  kv_cache_fraction: Optional[float] = None, max_num_seqs: int = 64,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", fuse_projections: Optional[bool] = None):
         self.model = model
         cfg = model.config
         self.config = cfg
@@ -109,6 +109,11 @@ class ModelRunner:
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
         self.block_size = block_size
+        # q/k/v and gate/up of QuantLinear layers as one matmul each (engine.fused); default on CPU only,
+        # where per-call overhead dominates and the stacked copy of those weights costs little
+        if fuse_projections is None:
+            fuse_projections = self.device.type == "cpu"
+        self.fused = [self._fuse(layer) if fuse_projections else (None, None) for layer in self.layers]
         self.rotary = RotaryEmbedding.from_config(cfg, self.device)
         uses_window = getattr(cfg, "use_sliding_window", cfg.model_type == "mistral")
         self.sliding_window = getattr(cfg, "sliding_window", None) if uses_window else None  # not implemented:
@@ -148,6 +153,17 @@ class ModelRunner:
             self.use_triton = self.device.type == "cuda" and triton_decode_available(self.device)
         else:
             self.use_triton = attention_backend == "triton"
+
+    @staticmethod
+    def _fuse(layer):
+        from quantkit.engine.fused import FusedProjection
+
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = FusedProjection.build([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up = None
+        if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            gate_up = FusedProjection.build([mlp.gate_proj, mlp.up_proj])
+        return qkv, gate_up
 
     # ------------------------------------------------------------------ batch preparation
     def _slots(self, seq: Sequence, start: int, end: int, skip_below: int = 0) -> list[int]:
@@ -220,11 +236,14 @@ class ModelRunner:
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
+            fused_qkv, fused_gate_up = self.fused[i]
             residual = x
             h = rms_norm(x, layer.input_layernorm.weight, _norm_eps(layer.input_layernorm, self.eps))
-            q = attn.q_proj(h).view(N, H, D)
-            k = attn.k_proj(h).view(N, KVH, D)
-            v = attn.v_proj(h).view(N, KVH, D)
+            if fused_qkv is not None:
+                q, k, v = fused_qkv(h)
+            else:
+                q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            q, k, v = q.view(N, H, D), k.view(N, KVH, D), v.view(N, KVH, D)
             if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm over head_dim before rope
                 q = rms_norm(q, attn.q_norm.weight, _norm_eps(attn.q_norm, self.eps))
                 k = rms_norm(k, attn.k_norm.weight, _norm_eps(attn.k_norm, self.eps))
@@ -234,7 +253,11 @@ class ModelRunner:
             x = residual + attn.o_proj(o.reshape(N, H * D))
             residual = x
             h = rms_norm(x, layer.post_attention_layernorm.weight, _norm_eps(layer.post_attention_layernorm, self.eps))
-            x = residual + layer.mlp(h)
+            if fused_gate_up is not None:
+                gate, up = fused_gate_up(h)
+                x = residual + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            else:
+                x = residual + layer.mlp(h)
         return rms_norm(x, self.final_norm.weight, _norm_eps(self.final_norm, self.eps))
 
     @torch.inference_mode()
