@@ -4,7 +4,6 @@ Fast tests use tiny random models; the slow one compares held-out perplexity on 
 """
 import copy
 import math
-import time
 
 import pytest
 import torch
@@ -316,52 +315,25 @@ def test_driver_end_to_end_tiny():
 # ------------------------------------------------------------- demo model quality (slow)
 
 @pytest.mark.slow
-def test_demo_perplexity_awq_beats_rtn():
+def test_demo_perplexity_awq_beats_rtn(demo_bench):
     """Held-out perplexity on the demo model: AWQ w4g64 asym (clip on and off) vs RTN w4g64 asym.
 
-    Sized to finish in minutes on two CPU cores; QUANTKIT_AWQ_SAMPLES=128 (and
-    QUANTKIT_AWQ_SEARCH_TOKENS=4096, the method default) gives the full-size run.
+    Sized for CI's two cores: AWQ's scale search re-runs each attention block and MLP 20 times, so
+    a run costs about 4 minutes per 1k calibration tokens here; CI calibrates on 8 x 128 tokens (the
+    issue's 128 x 512 is in scripts/bench_quantize.py). Session 1 measured, on 16 windows: RTN
+    41.66, AWQ 36.60 (clip) / 37.20 (no clip) with 128 x 512.
     """
-    import os
-
-    from quantkit import data
-    from quantkit.api import linear_shapes
-    from quantkit.evaluate import perplexity
-    from quantkit.sources import load_source_model
-
-    samples = int(os.environ.get("QUANTKIT_AWQ_SAMPLES", 16))
-    search_tokens = int(os.environ.get("QUANTKIT_AWQ_SEARCH_TOKENS", 2048))
-    windows = int(os.environ.get("QUANTKIT_AWQ_EVAL_WINDOWS", 16))
-    model, tok, *_ = load_source_model("demo", dtype=torch.float32)
-    fp_state = copy.deepcopy(model.state_dict())
-    adapter = get_adapter(model)
-    schemes = QuantScheme(bits=4, group_size=64, sym=False).resolve(linear_shapes(model))
-    ids = data.calibration_batches("lee", tok, num_samples=samples, seq_len=512, seed=0)
-    stream = data.eval_token_stream("lee", tok)
-
-    def ppl():
-        return perplexity(model, stream, seq_len=512, max_windows=windows, batch_size=4)["perplexity"]
-
-    results = {"fp": ppl()}
-    print(f"\n{samples}x512 calibration tokens, search {search_tokens} tokens, {windows} eval windows")
-    print(f"fp: ppl {results['fp']:.3f}")
-    runs = (("rtn", get_quantizer("rtn")),
-            ("awq", AWQQuantizer(max_search_tokens=search_tokens)),
-            ("awq_noclip", AWQQuantizer(clip=False, max_search_tokens=search_tokens)))
-    for label, quantizer in runs:
-        model.load_state_dict(fp_state)
-        t0 = time.perf_counter()
-        quantize_model(model, adapter, quantizer, schemes, ids, batch_size=8, progress=False)
-        secs = time.perf_counter() - t0
-        results[label] = ppl()
-        print(f"{label}: ppl {results[label]:.3f} (quantize {secs:.0f} s)")
-        if label.startswith("awq"):
-            alphas = [[g["alpha"] for g in quantizer.search_log[i]["groups"]] for i in sorted(quantizer.search_log)]
-            print(f"  alphas (qkv, gate/up, down) per layer: {alphas}")
-    assert all(math.isfinite(v) for v in results.values())
-    assert results["awq"] < results["rtn"]
-    assert results["awq_noclip"] < results["rtn"]
-    assert results["awq"] <= results["awq_noclip"] * 1.01
+    size = dict(bits=4, group_size=64, sym=False, samples=8, seq_len=128)
+    rtn = demo_bench.rtn(4, 64, False)
+    awq = AWQQuantizer()
+    ppl_awq = demo_bench.quantized(awq, **size)
+    ppl_noclip = demo_bench.quantized(AWQQuantizer(clip=False), **size)
+    alphas = [[g["alpha"] for g in awq.search_log[i]["groups"]] for i in sorted(awq.search_log)]
+    print(f"\nheld-out ppl: original {demo_bench.original():.4f} rtn-w4g64-asym {rtn:.4f} awq {ppl_awq:.4f} "
+          f"awq-noclip {ppl_noclip:.4f}\n  alphas per layer: {alphas}")
+    assert math.isfinite(ppl_awq) and math.isfinite(ppl_noclip)
+    assert ppl_awq < rtn * 0.97 and ppl_noclip < rtn
+    assert ppl_awq <= ppl_noclip * 1.01  # clipping on is no worse than off (1% noise allowance)
 
 
 # ------------------------------------------------------------- through the public API
