@@ -9,9 +9,9 @@ A *source* is one of:
   - token ids: a 2-D LongTensor ``[n, seq_len]`` or a list of 1-D LongTensors.
 
 Named datasets and local files have two disjoint splits, ``calibration`` and ``eval``; a single
-local file (like ``lee``) is split by documents, the first 80 % calibrating and the last 20 %
-held out, so perplexity is never measured on calibrated text (``split="all"`` takes the whole
-file). In-memory sources are used as given: the caller already chose the data.
+local file is split by documents, the first 80 % calibrating and the last 20 % held out (``lee``:
+90/10, see the registry), and held-out documents that repeat a calibration document are dropped,
+so perplexity is never measured on calibrated text (``split="all"`` takes the whole file). In-memory sources are used as given: the caller already chose the data.
 """
 from __future__ import annotations
 
@@ -153,6 +153,20 @@ def _load_local(path: Path, split_expr: str, label: str):
         raise QuantkitError(f"could not read {path} as {builder} ({_short(e)}); fix the file") from e
 
 
+def _held_out(path: Path, eval_expr: str, calibration_expr: str, label: str):
+    """The eval split of a file split by documents, minus any document also in its calibration split:
+    corpora repeat documents (lee_background.cor holds 7 twice), and a repeat that straddles the
+    split would put calibrated text into the perplexity."""
+    import json
+
+    ev = _load_local(path, eval_expr, label)
+    cal = _load_local(path, calibration_expr, label)
+    key = functools.partial(json.dumps, sort_keys=True, default=str)
+    seen = {key(row) for row in cal}
+    keep = [i for i, row in enumerate(ev) if key(row) not in seen]
+    return ev if len(keep) == len(ev) else ev.select(keep)
+
+
 def _pick_field(ds, label: str, chat_template: bool) -> str:
     cols = ds.column_names
     if "messages" in cols and ("text" not in cols or chat_template):
@@ -180,7 +194,10 @@ def _resolve(source, split: str, chat_template: bool) -> _Docs:
             dataset_spec(str(source))  # raises: not a name either
         _check_split(split, list(LOCAL_SPLITS))
         label = f"dataset '{path.name}' ({split} split)"
-        ds = _load_local(path, LOCAL_SPLITS[split], label)
+        if split == "eval":
+            ds = _held_out(path, LOCAL_SPLITS["eval"], LOCAL_SPLITS["calibration"], label)
+        else:
+            ds = _load_local(path, LOCAL_SPLITS[split], label)
         return _Docs(label, ds, _pick_field(ds, label, chat_template))
     raise QuantkitError(
         f"unsupported dataset source of type {type(source).__name__}; pass a dataset name, a file path, "
@@ -195,7 +212,10 @@ def _resolve_named(spec: DatasetSpec, split: str) -> _Docs:
         _check_split(split, [*SPLITS, "all"])
         part = SplitSpec("train") if split == "all" else getattr(spec, split)
         label = f"dataset '{spec.name}' ({split} split)"
-        ds = _load_local(lee_corpus_path(), part.split, label)
+        if split == "eval":
+            ds = _held_out(lee_corpus_path(), part.split, spec.calibration.split, label)
+        else:
+            ds = _load_local(lee_corpus_path(), part.split, label)
     else:
         _check_split(split, SPLITS)
         part = getattr(spec, split)

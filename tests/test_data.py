@@ -205,6 +205,15 @@ def test_lee_split_is_disjoint(tmp_path, monkeypatch):
     assert data.load_texts("lee", "all") == cal + ev
 
 
+def test_held_out_drops_documents_repeated_from_calibration(tmp_path, monkeypatch):
+    docs = [doc(i) for i in range(9)] + [doc(3)]  # the last (held-out) document repeats a calibration one
+    monkeypatch.setenv("QUANTKIT_LEE_CORPUS", str(write_lines(tmp_path / "lee_background.cor", docs)))
+    with pytest.raises(QuantkitError, match=r"eval split\) is empty"):  # nothing held out is left
+        data.load_texts("lee", "eval")
+    local = write_lines(tmp_path / "mine.txt", [doc(i) for i in range(8)] + [doc(1), doc(42)])
+    assert data.load_texts(str(local), "eval") == [doc(42)]  # 80/20: doc(1) and doc(42) held out, doc(1) seen
+
+
 def test_hub_failure_is_a_clear_error(monkeypatch):
     import datasets
 
@@ -247,7 +256,8 @@ def test_lee_with_demo_tokenizer(monkeypatch):
     monkeypatch.delenv("QUANTKIT_CACHE")  # the real cache: the download and conversion happen once
     tok = AutoTokenizer.from_pretrained(assets.demo_model_dir())
     cal, ev = data.load_texts("lee", "calibration"), data.load_texts("lee", "eval")
-    assert (len(cal), len(ev)) == (270, 30) and not set(cal) & set(ev)  # 90/10 by documents
+    # 90/10 by documents; the corpus repeats 7 documents and one repeat straddles the split: dropped from eval
+    assert (len(cal), len(ev)) == (270, 29) and not set(cal) & set(ev)
     batches = data.calibration_batches("lee", tok, num_samples=64, seq_len=512)
     assert batches.shape == (64, 512)
     assert torch.equal(batches, data.calibration_batches("lee", tok, num_samples=64, seq_len=512))
