@@ -6,7 +6,7 @@ timed run each (after a two-token warm-up):
 
 * transformers ``generate`` (greedy) on the unquantized demo model in fp32 and bf16,
 * the engine on the unquantized fp32 model,
-* the engine on RTN int4 and int8 checkpoints of the demo model (made here with
+* the engine on RTN int4 (w4g64) and int8 (per channel) checkpoints of the demo model (made here with
   ``quantkit.quantize("demo", "rtn", bits=..)`` unless ``--workdir`` already holds them), with
   the ``cpu`` backend on CPU and ``auto`` (Triton) on GPU.
 
@@ -110,11 +110,13 @@ def batch_vs_sequential(engine, prompts: list[list[int]], n: int) -> dict:
 def ensure_checkpoint(bits: int, workdir: Path) -> Path:
     import quantkit
 
-    out = workdir / f"demo-rtn-w{bits}"
+    # int8 per output channel: the only int8 layout PyTorch's packed CPU kernel (_weight_int8pack_mm) takes
+    group_size = 64 if bits == 4 else -1
+    out = workdir / (f"demo-rtn-w{bits}g64" if bits == 4 else f"demo-rtn-w{bits}pc")
     if (out / "config.json").is_file():
         return out
     print(f"[bench] quantizing the demo model to int{bits} (rtn) -> {out}", file=sys.stderr, flush=True)
-    quantkit.quantize("demo", "rtn", bits=bits, output=str(out), progress=False, overwrite=True)
+    quantkit.quantize("demo", "rtn", bits=bits, group_size=group_size, output=str(out), progress=False, overwrite=True)
     return out
 
 
