@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""Run llm-compressor's oneshot on the same model, scheme and calibration tokens as quantkit.
+
+Why this exists: `scripts/bench_quantize.py` compares quantkit against llm-compressor (wall time,
+peak RSS, held-out perplexity). This script is that comparison's *benchmark peer only*: it runs
+under a separate venv where `llmcompressor` is installed (e.g. /work/peer-venv/bin/python), never
+imports quantkit, and llm-compressor is never a dependency of quantkit. The calibration token ids
+come from a safetensors file that bench_quantize.py writes with quantkit's own data pipeline
+(key "input_ids", int64 [num_samples, seq_len]), so both tools calibrate on exactly the same tokens.
+
+Schemes (matching quantkit's method defaults):
+  gptq         GPTQModifier, int W{bits} symmetric group, actorder off, dampening 0.01, block 128
+  awq          AWQModifier (duo scaling) + QuantizationModifier, int W{bits} asymmetric group
+  rtn          QuantizationModifier, int W{bits} symmetric group
+  smoothquant  SmoothQuantModifier(0.5) + QuantizationModifier W8A8: int8 symmetric per-channel
+               weights, int8 dynamic per-token symmetric activations
+
+The checkpoint is saved with save_compressed=True (compressed-tensors pack-quantized for W4A16,
+int-quantized for W8A8). The last stdout line is one JSON object; "seconds" is the oneshot call only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def weight_args(bits: int, group_size: int, symmetric: bool) -> dict:
+    args = {"num_bits": bits, "type": "int", "symmetric": symmetric, "dynamic": False}
+    if group_size == -1:
+        args["strategy"] = "channel"
+    else:
+        args.update(strategy="group", group_size=group_size)
+    return args
+
+
+def build_recipe(method: str, bits: int, group_size: int):
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    ignore = ["lm_head"]
+    if method == "gptq":
+        from llmcompressor.modifiers.gptq import GPTQModifier
+
+        groups = {"group_0": {"targets": ["Linear"], "weights": {**weight_args(bits, group_size, True), "actorder": None}}}
+        return [GPTQModifier(config_groups=groups, ignore=ignore, actorder=None, dampening_frac=0.01, block_size=128)]
+    if method == "awq":
+        from llmcompressor.modifiers.transform import AWQModifier
+
+        groups = {"group_0": {"targets": ["Linear"], "weights": weight_args(bits, group_size, False)}}
+        # offload_device=None: keep cached layer inputs where they are (CPU); nothing to offload to
+        return [AWQModifier(duo_scaling=True, n_grid=20, offload_device=None),
+                QuantizationModifier(config_groups=groups, ignore=ignore)]
+    if method == "rtn":
+        groups = {"group_0": {"targets": ["Linear"], "weights": weight_args(bits, group_size, True)}}
+        return [QuantizationModifier(config_groups=groups, ignore=ignore)]
+    if method == "smoothquant":
+        from llmcompressor.modifiers.transform import SmoothQuantModifier
+
+        groups = {"group_0": {"targets": ["Linear"], "weights": weight_args(8, -1, True),
+                              "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                    "strategy": "token", "dynamic": True}}}
+        return [SmoothQuantModifier(smoothing_strength=0.5), QuantizationModifier(config_groups=groups, ignore=ignore)]
+    raise SystemExit(f"unknown method {method!r}")
+
+
+def disable_pinning_without_accelerator() -> list[str]:
+    """AWQ pins its cached layer inputs for faster host->device copies; a CPU-only torch cannot pin
+    (pin_memory needs an accelerator), so make pinning a no-op there. Returns what was changed."""
+    import torch
+
+    if torch.accelerator.is_available():
+        return []
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
+    return ["IntermediatesCache.pin_memory -> no-op (no accelerator)"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--method", required=True, choices=["gptq", "awq", "rtn", "smoothquant"])
+    ap.add_argument("--model", required=True, help="HF model folder")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=64, help="-1: per channel")
+    ap.add_argument("--calib-ids", required=True, help='safetensors file with "input_ids" int64 [num_samples, seq_len]')
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--batch-size", type=int, default=1, help="oneshot calibration batch size (llm-compressor's default 1)")
+    args = ap.parse_args()
+
+    import torch
+    from datasets import Dataset
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import llmcompressor
+    from llmcompressor import oneshot
+
+    t_total = time.perf_counter()
+    ids = load_file(args.calib_ids)["input_ids"].to(torch.int64)
+    if ids.dim() != 2:
+        raise SystemExit(f"{args.calib_ids}: input_ids must be [num_samples, seq_len], got {tuple(ids.shape)}")
+    num_samples, seq_len = ids.shape
+    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, device_map=None, low_cpu_mem_usage=True)
+    model.eval()
+    workarounds = disable_pinning_without_accelerator() if args.method == "awq" else []
+
+    recipe = build_recipe(args.method, args.bits, args.group_size)
+    t0 = time.perf_counter()
+    oneshot(model=model, tokenizer=tokenizer, recipe=recipe, dataset=ds, num_calibration_samples=num_samples,
+            max_seq_length=seq_len, batch_size=args.batch_size, shuffle_calibration_samples=False)
+    seconds = time.perf_counter() - t0
+
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, save_compressed=True)
+    tokenizer.save_pretrained(out)
+    print(json.dumps({"seconds": round(seconds, 2), "total_seconds": round(time.perf_counter() - t_total, 2),
+                      "peak_rss_mb": round(peak_rss_mb(), 1), "llmcompressor_version": llmcompressor.__version__,
+                      "method": args.method, "num_samples": num_samples, "seq_len": seq_len,
+                      "workarounds": workarounds}))
+
+
+if __name__ == "__main__":
+    main()
