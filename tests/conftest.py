@@ -111,3 +111,16 @@ def last_json(stdout: str) -> dict:
     lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
     assert lines, "no stdout"
     return json.loads(lines[-1])
+
+
+def perturb_norms(model) -> None:
+    """Random init leaves norm weights at exactly 1 (biases 0); perturb them so anything folded into
+    a norm (AWQ, SmoothQuant scales) is really tested."""
+    from torch import nn
+
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, nn.LayerNorm) or type(mod).__name__.endswith("RMSNorm"):
+                mod.weight.normal_(1.0, 0.2)
+                if getattr(mod, "bias", None) is not None:
+                    mod.bias.normal_(0.0, 0.2)

@@ -12,6 +12,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from quantkit.calibrate import _layer_output, _to, capture_layer_inputs, quantize_model
+from conftest import perturb_norms
 from quantkit.errors import QuantkitError
 from quantkit.models import get_adapter
 from quantkit.quantizers.awq import AWQQuantizer, clip_ratios_grid, search_clip
@@ -31,13 +32,10 @@ CONFIGS = {
 def build(name):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation="sdpa", dtype=torch.float32).eval()
+    perturb_norms(model)
     with torch.no_grad():
         for mod in model.modules():
-            if isinstance(mod, nn.LayerNorm) or type(mod).__name__.endswith("RMSNorm"):
-                mod.weight.normal_(1.0, 0.2)
-                if getattr(mod, "bias", None) is not None:
-                    mod.bias.normal_(0.0, 0.2)
-            elif isinstance(mod, nn.Linear):
+            if isinstance(mod, nn.Linear):
                 # a few outlier input channels, as in real LLM activations/weights
                 mod.weight.mul_(1 + 4 * (torch.rand(mod.in_features) < 0.05))
     return model

@@ -9,6 +9,7 @@ import torch.nn as nn
 import transformers
 from transformers import AutoModelForCausalLM
 
+from conftest import perturb_norms
 from quantkit.errors import QuantkitError
 from quantkit.models import SUPPORTED_MODEL_TYPES, InputGroup, fold_scales, get_adapter
 
@@ -53,13 +54,7 @@ def build(name, attn="eager"):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation=attn, dtype=torch.float32)
     model.eval()
-    # Random init leaves norms at exactly 1 / 0; perturb them so folding into them is really tested.
-    with torch.no_grad():
-        for mod in model.modules():
-            if isinstance(mod, nn.LayerNorm) or type(mod).__name__.endswith("RMSNorm"):
-                mod.weight.normal_(1.0, 0.2)
-                if getattr(mod, "bias", None) is not None:
-                    mod.bias.normal_(0.0, 0.2)
+    perturb_norms(model)
     return model
 
 

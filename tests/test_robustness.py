@@ -125,15 +125,20 @@ def test_demo_resume_after_sigint_is_byte_identical_and_runs_are_deterministic(t
 
 # ------------------------------------------------------------------ resume with calibration replay (gptq)
 
-@pytest.fixture(scope="module")
-def small_llama_dir(tmp_path_factory) -> Path:
-    """6 random layers, the demo tokenizer (so calibration token ids fit the embedding)."""
+def random_llama_with_demo_tokenizer(tmp_path_factory, name: str, **shape) -> Path:
+    """A random Llama on disk with the demo tokenizer (so calibration token ids fit the embedding)."""
     from quantkit.assets import demo_model_dir
 
-    out = tmp_path_factory.mktemp("small-llama")
-    bench.make_random_llama(out, layers=6, hidden=128, intermediate=384, heads=4, kv_heads=2, vocab=49152,
-                            layers_per_shard=3, seed=1, tokenizer_from=Path(demo_model_dir()))
+    out = tmp_path_factory.mktemp(name)
+    bench.make_random_llama(out, heads=4, kv_heads=2, vocab=49152, tokenizer_from=Path(demo_model_dir()), **shape)
     return out
+
+
+@pytest.fixture(scope="module")
+def small_llama_dir(tmp_path_factory) -> Path:
+    """6 random layers in 2 shards."""
+    return random_llama_with_demo_tokenizer(tmp_path_factory, "small-llama", layers=6, hidden=128, intermediate=384,
+                                            layers_per_shard=3, seed=1)
 
 
 def test_gptq_deterministic_and_resume_after_sigkill_replays_calibration(tmp_path, small_llama_dir):
@@ -613,13 +618,9 @@ def test_cli_names_the_file_for_a_hostile_checkpoint(tmp_path, fuzz_bases):
 
 @pytest.fixture(scope="module")
 def calib_llama_dir(tmp_path_factory) -> Path:
-    """4 small random layers with the demo tokenizer: enough for a poisoned layer with layers after it."""
-    from quantkit.assets import demo_model_dir
-
-    out = tmp_path_factory.mktemp("calib-llama")
-    bench.make_random_llama(out, layers=4, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=49152,
-                            layers_per_shard=4, seed=2, tokenizer_from=Path(demo_model_dir()))
-    return out
+    """4 small random layers: enough for a poisoned layer with layers after it."""
+    return random_llama_with_demo_tokenizer(tmp_path_factory, "calib-llama", layers=4, hidden=64, intermediate=128,
+                                            layers_per_shard=4, seed=2)
 
 
 def _available_methods() -> list[str]:

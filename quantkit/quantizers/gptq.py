@@ -13,7 +13,7 @@ from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.quantizers.base import LayerContext, Quantizer, register_quantizer
-from quantkit.quantizers.gptq_core import HessianAccumulator, gptq_quantize
+from quantkit.quantizers.gptq_core import HessianAccumulator, act_order_kind, gptq_quantize
 from quantkit.quantizers.grid import rtn_quantize
 from quantkit.scheme import LinearScheme
 
@@ -102,9 +102,7 @@ class GPTQQuantizer(Quantizer):
     def planned_spec(self, out_features: int, in_features: int, scheme: LinearScheme):
         from dataclasses import replace
 
-        o = self.options
-        order = ("none" if not o["desc_act"] else "static" if o["static_groups"] or scheme.group_size == -1
-                 else "dynamic")  # what gptq_quantize records
+        order = act_order_kind(bool(self.options["desc_act"]), bool(self.options["static_groups"]), scheme.group_size)
         return replace(super().planned_spec(out_features, in_features, scheme), act_order=order)
 
     def end_layer(self, ctx: LayerContext) -> None:

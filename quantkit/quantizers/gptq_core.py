@@ -156,6 +156,14 @@ def find_qparams(x: torch.Tensor, bits: int, sym: bool, mse: bool = False,
     return best_scale, best_zero
 
 
+def act_order_kind(act_order: bool, static_groups: bool, group_size: int) -> str:
+    """The `QuantizedWeight.act_order` GPTQ records: a permuted g_idx ("dynamic") only when columns
+    were reordered and groups follow that order; static groups or one group leave it trivial."""
+    if not act_order:
+        return "none"
+    return "static" if static_groups or group_size == -1 else "dynamic"
+
+
 def _cholesky_inverse_upper(H: torch.Tensor):
     """Upper Cholesky factor of H^-1, or None when H (or H^-1) is not numerically PD."""
     L, info = torch.linalg.cholesky_ex(H)
@@ -344,12 +352,7 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
     if invperm is not None:
         codes = codes[:, invperm]
 
-    if not act_order:
-        order = "none"
-    elif static_groups or group_size == -1:
-        order = "static"
-    else:
-        order = "dynamic"
+    order = act_order_kind(act_order, static_groups, group_size)
 
     if not (bool(torch.isfinite(scales).all()) and bool(torch.isfinite(codes).all())):
         raise HessianError("GPTQ produced non-finite values; the Hessian is numerically unusable")
