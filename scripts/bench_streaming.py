@@ -3,8 +3,8 @@
 
 Generates a random-weight Llama-architecture model on disk (fp32, sharded safetensors, the demo's
 tokenizer), written one layer at a time so this script itself never holds the model, then
-quantizes it twice through the real CLI, each in its own subprocess (so `peak_rss_mb`, from
-ru_maxrss, is that run's alone): once with `--streaming` (decoder layers read from disk one at a
+quantizes it twice through the real CLI, each in its own subprocess (so `peak_rss_mb`, from the
+child's own VmHWM, is that run's alone): once with `--streaming` (decoder layers read from disk one at a
 time) and once with `--no-streaming` (the whole model in memory). Both must write identical bytes.
 
     python scripts/bench_streaming.py                      # ~2.9 GB fp32 model, RTN w4g64

@@ -28,6 +28,14 @@ from pathlib import Path
 
 
 def peak_rss_mb() -> float:
+    """Own peak RSS (VmHWM): ru_maxrss of a vforked child carries the parent's peak (quantkit.api.peak_rss_mb)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

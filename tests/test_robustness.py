@@ -173,6 +173,22 @@ def test_gptq_deterministic_and_resume_after_sigkill_replays_calibration(tmp_pat
 
 # ------------------------------------------------------------------ streaming: bounded host memory
 
+def test_peak_rss_of_a_child_is_its_own_not_its_big_parents():
+    """`quantize --json` reports the peak of its own process, even when started by a big parent.
+
+    ru_maxrss of a vforked child inherits the parent's high-water mark at exec: CI's pytest (4.3 GB
+    by then) made the 0.8 GB streaming run report 4.3 GB."""
+    parent = ("import subprocess, sys\n"
+              "big = bytearray(1536 * 2**20)\n"
+              "big[::4096] = b'\\x01' * len(big[::4096])\n"
+              "child = 'from quantkit.api import peak_rss_mb; print(peak_rss_mb())'\n"
+              "print(subprocess.run([sys.executable, '-c', child], capture_output=True, text=True, check=True).stdout)\n")
+    proc = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    child_peak_mb = float(proc.stdout.strip().splitlines()[-1])
+    assert 0 < child_peak_mb < 1000, child_peak_mb
+
+
 @pytest.mark.slow
 def test_streaming_peak_rss_is_bounded_and_output_matches_whole_model(tmp_path_factory):
     """A ~2.5 GB fp32 model quantizes with peak RSS under 40% of its weights, to the same bytes."""
