@@ -72,7 +72,7 @@ def quantize(
     trust_remote_code: bool = False,
     max_shard_size: str = "5GB",
     chat_template: bool = False,
-    batch_size: int = 8,
+    batch_size: Optional[int] = None,
     eval_after: bool = False,
     progress: bool = True,
     resume: bool = False,
@@ -85,7 +85,7 @@ def quantize(
     `streaming=None` reads decoder layers from disk one at a time when the model would not fit
     comfortably in memory (True/False force it)."""
     from quantkit import data
-    from quantkit.calibrate import quantize_model
+    from quantkit.calibrate import auto_batch_size, quantize_model
     from quantkit.checkpoint import check_output_dir, staging_dir, write_checkpoint
     from quantkit.progress import ProgressStore, run_fingerprint
     from quantkit.formats import get_format
@@ -148,6 +148,10 @@ def quantize(
     if quantizer.needs_calibration:
         method_info.update({"calibration": str(dataset) if isinstance(dataset, (str, Path)) else type(dataset).__name__,
                             "num_samples": num_samples, "seq_len": seq_len})
+    if batch_size is None:
+        batch_size = auto_batch_size(hf_model.config, num_samples, seq_len, torch.float32)
+    elif batch_size < 1:
+        raise QuantkitError(f"--batch-size must be at least 1, got {batch_size}")
     store = ProgressStore(staging_dir(output))
     store.start(run_fingerprint(model=model, scheme=scheme, format=format_name, method=method_info, dtype=save_dtype,
                                 batch_size=batch_size, chat_template=chat_template, version=__version__,
@@ -176,6 +180,7 @@ def quantize(
         "format": format_name,
         "quantized_linears": len(schemes),
         "streaming": layer_source is not None,
+        "calibration_batch_size": batch_size if quantizer.needs_calibration else None,
         "seconds": round(time.perf_counter() - t0, 3),
         "peak_rss_mb": round(peak_rss_mb(), 1),
         **({"metrics": metrics} if metrics else {}),

@@ -5,6 +5,8 @@ layer needs: masks, position ids, rotary embeddings), then per layer: moves it t
 device, runs the calibration batches with hooks that hand each target linear's inputs to the
 quantizer, quantizes stage by stage (later stages see earlier ones already quantized), runs the
 layer once more so the next layer sees the quantized layer's outputs, and moves it back.
+When the calibration set is one batch and the quantizer allows it (`quantize_in_forward`), all of
+that is a single forward pass: each linear is quantized from its own pre-hook.
 Only one decoder layer lives on the compute device; activations stay on `activation_device`.
 """
 from __future__ import annotations
@@ -78,6 +80,23 @@ def capture_layer_inputs(model, adapter, input_ids: torch.Tensor, batch_size: in
     return captured
 
 
+CALIBRATION_BATCH_BUDGET = 4 << 30  # bytes of transient activations one calibration forward may take
+
+
+def auto_batch_size(config, num_samples: int, seq_len: int, dtype: torch.dtype) -> int:
+    """Calibration sequences per forward: all of them when one decoder layer's forward over the whole
+    set stays within `CALIBRATION_BATCH_BUDGET` (then GPTQ needs one pass per layer), else as many as
+    fit. Read from the config alone, never from free memory, so a rerun batches (and rounds) the same."""
+    config = getattr(config, "text_config", None) or config
+    hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "d_model", 0) or 4096)
+    intermediate = int(getattr(config, "intermediate_size", 0) or getattr(config, "ffn_dim", 0) or 4 * hidden)
+    heads = int(getattr(config, "num_attention_heads", 0) or 32)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    # gate, up and their product; a few hidden-sized tensors; attention scores and their softmax
+    per_sequence = seq_len * itemsize * (3 * intermediate + 4 * hidden + 2 * heads * seq_len)
+    return max(1, min(num_samples, CALIBRATION_BATCH_BUDGET // per_sequence))
+
+
 def _layer_output(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -132,6 +151,7 @@ def quantize_model(
                 outs.append(_layer_output(out).to(activation_device))
             return outs
 
+        outputs = None
         if i in done:
             record = store.load_layer(i)
             _restore_layer(layer, layer_prefix, record)
@@ -140,10 +160,15 @@ def quantize_model(
             layer_schemes = {n[len(layer_prefix):]: s for n, s in schemes.items() if n.startswith(layer_prefix)}
             ctx = LayerContext(index=i, layer=layer, prefix=layer_prefix, adapter=adapter, config=model.config,
                                schemes=layer_schemes, inputs=inputs, run_layer=run_layer)
-            layer_results = _quantize_layer(ctx, quantizer, needs_data, device, compute_dtype)
+            if needs_data and quantizer.needs_observe and len(inputs) == 1 and quantizer.quantize_in_forward():
+                layer_results, outputs = _quantize_layer_in_one_pass(ctx, quantizer, device, compute_dtype)
+            else:
+                layer_results = _quantize_layer(ctx, quantizer, needs_data, device, compute_dtype)
         if needs_data:
             with torch.no_grad():
-                inputs[:] = [(out, kwargs) for out, (_, kwargs) in zip(run_layer(), inputs)]
+                outputs = run_layer() if outputs is None else outputs
+                inputs[:] = [(out, kwargs) for out, (_, kwargs) in zip(outputs, inputs)]
+            del outputs
         if i not in done:
             quantizer.end_layer(ctx)
         layer.to(device="cpu", dtype=original_dtype) if str(device) != "cpu" else layer.to(dtype=original_dtype)
@@ -180,6 +205,57 @@ def _quantize_layer(ctx: LayerContext, quantizer: Quantizer, needs_data: bool, d
                 m.weight.data = qw.dequantize(m.weight.dtype).to(m.weight.device)
             layer_results[ctx.prefix + n] = _to_cpu(qw)
     return layer_results
+
+
+@torch.no_grad()
+def _quantize_layer_in_one_pass(ctx: LayerContext, quantizer: Quantizer, device, compute_dtype):
+    """True-sequential in one forward over the single calibration batch: each target linear's
+    pre-hook observes its input, quantizes it and fake-quantizes it in place, so everything after it
+    in the forward (later stages, the layer's output) already sees it quantized. Exactly the staged
+    result when each stage's linears share one input and stages follow the forward order, which
+    the hooks check; returns the results and the layer's outputs (no extra pass for the next layer)."""
+    quantizer.begin_layer(ctx)
+    stages = [[n for n in stage if n in ctx.schemes] for stage in quantizer.stages(ctx)]
+    stages = [stage for stage in stages if stage]
+    stage_of = {n: k for k, stage in enumerate(stages) for n in stage}
+    stage_input: dict[int, torch.Tensor] = {}
+    layer_results: dict[str, QuantizedWeight] = {}
+
+    def fail(problem: str):
+        raise QuantkitError(f"layer {ctx.index}: {problem}, so its linears cannot be quantized inside one forward; "
+                            "pass a --batch-size below --num-samples to calibrate stage by stage")
+
+    def hook_for(name: str):
+        def hook(module, args):
+            k, x = stage_of[name], args[0]
+            if name in layer_results:
+                fail(f"{name} runs twice in one forward")
+            if any(n not in layer_results for stage in stages[:k] for n in stage):
+                fail(f"{name} runs before an earlier stage is complete")
+            if stage_input.setdefault(k, x) is not x:
+                fail(f"the linears of stage {stages[k]} do not share one input")
+            quantizer.observe(name, module, x)
+            qw = quantizer.quantize_linear(name, module, ctx.schemes[name])
+            _check_finite(ctx.prefix + name, qw)
+            module.weight.data = qw.dequantize(module.weight.dtype).to(module.weight.device)
+            layer_results[name] = qw
+
+        return hook
+
+    modules = {n: ctx.layer.get_submodule(n) for n in stage_of}
+    handles = [m.register_forward_pre_hook(hook_for(n)) for n, m in modules.items()]
+    try:
+        (hidden, kwargs), = ctx.inputs
+        out = ctx.layer(_to(hidden, device).to(compute_dtype), **_to(kwargs, device))
+    finally:
+        for h in handles:
+            h.remove()
+        stage_input.clear()
+    missing = [n for n in stage_of if n not in layer_results]
+    if missing:
+        fail(f"{missing[0]} never ran in the forward")
+    return ({ctx.prefix + n: _to_cpu(layer_results[n]) for stage in stages for n in stage},
+            [_layer_output(out).to(ctx.inputs[0][0].device)])
 
 
 def _other_tensors(layer, layer_prefix: str, quantized: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:

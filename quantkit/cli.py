@@ -59,7 +59,8 @@ def cli():
 @click.option("--device", default=None, help="Compute device for the layer being calibrated (default cpu).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code from the hub (off by default).")
 @click.option("--max-shard-size", default="5GB", show_default=True)
-@click.option("--batch-size", type=int, default=8, show_default=True, help="Calibration sequences per forward.")
+@click.option("--batch-size", type=int, default=None,
+              help="Calibration sequences per forward (default: all of them when a layer's forward fits 4 GiB).")
 @click.option("--eval", "eval_after", is_flag=True, help="Measure held-out perplexity and record it in the model card.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer.")
 @click.option("--streaming/--no-streaming", default=None,

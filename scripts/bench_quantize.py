@@ -82,7 +82,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo")
     ap.add_argument("--methods", default="rtn,gptq",
-                    help="comma list of variants (rtn, gptq, gptq-actorder, awq, awq-noclip, smoothquant); "
+                    help="comma list of variants (rtn, gptq, gptq-staged, gptq-actorder, awq, awq-noclip, smoothquant); "
                          "smoothquant is always W8A8 (int8 per-channel weights, dynamic per-token int8 inputs)")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", default="64")
@@ -99,6 +99,8 @@ def main() -> None:
     rows = []
     # name -> (quantkit method, extra flags, takes --bits/--group-size)
     variants = {"rtn": ("rtn", [], True), "gptq": ("gptq", [], True),
+                # the stage-by-stage driver (a pass per stage + one), as any run with several batches uses
+                "gptq-staged": ("gptq", ["--batch-size", "8"], True),
                 "gptq-actorder": ("gptq", ["--option", "desc_act=true"], True),
                 "awq": ("awq", ["--format", "gptq"], True),
                 "awq-noclip": ("awq", ["--format", "gptq", "--option", "clip=false"], True),

@@ -348,9 +348,11 @@ def test_bias_weight_dtype_and_device_kept():
     assert qw.qweight.device == W.device and set(stats) >= {"loss", "damp", "dead", "seconds"}
 
 
-def test_driver_shares_one_hessian_per_input_and_it_equals_the_inputs_gram():
+@pytest.mark.parametrize("batch_size", [2, 4], ids=["staged", "one-pass"])
+def test_driver_shares_one_hessian_per_input_and_it_equals_the_inputs_gram(batch_size):
     """q/k/v (and gate/up) see one tensor: the driver must hand it over as that very tensor so the
-    plugin accumulates one Hessian for the group, and that Hessian is 2/n X^T X of the real inputs."""
+    plugin accumulates one Hessian for the group, and that Hessian is 2/n X^T X of the real inputs.
+    Both drivers: stage by stage (2 batches) and inside one forward (all 4 samples in one batch)."""
     import transformers
 
     from quantkit.api import linear_shapes
@@ -378,7 +380,7 @@ def test_driver_shares_one_hessian_per_input_and_it_equals_the_inputs_gram():
 
     grabbed = {}
     schemes = QuantScheme(bits=4, group_size=32).resolve(linear_shapes(model))
-    quantize_model(model, get_adapter(model), Spy(), schemes, ids, batch_size=2, progress=False)
+    quantize_model(model, get_adapter(model), Spy(), schemes, ids, batch_size=batch_size, progress=False)
     attn, mlp = "self_attn.", "mlp."
     assert grabbed[attn + "q_proj"] is grabbed[attn + "k_proj"] is grabbed[attn + "v_proj"]
     assert grabbed[mlp + "gate_proj"] is grabbed[mlp + "up_proj"]
@@ -386,3 +388,91 @@ def test_driver_shares_one_hessian_per_input_and_it_equals_the_inputs_gram():
     assert grabbed[mlp + "down_proj"] is not grabbed[mlp + "gate_proj"]
     torch.testing.assert_close(grabbed[attn + "q_proj"].hessian().double(), 2 * x.T @ x / x.shape[0],
                                rtol=1e-5, atol=1e-6)
+
+
+def _tiny_model(model_type: str, layers: int = 2):
+    import transformers
+
+    common = dict(vocab_size=128, max_position_embeddings=64, num_hidden_layers=layers, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)
+    if model_type == "opt":
+        cfg = transformers.OPTConfig(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64, **common)
+    else:
+        cfg = transformers.AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                                num_key_value_heads=2, **common)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "opt", "phi3"])
+def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type):
+    """With one calibration batch GPTQ quantizes each linear from its forward pre-hook: one pass per
+    layer instead of one per stage plus one. It must be the same true-sequential computation: the
+    same integers, scales and next-layer inputs as the stage-by-stage driver on the same batch."""
+    import copy
+
+    from quantkit.api import linear_shapes
+    from quantkit.calibrate import quantize_model
+    from quantkit.models import get_adapter
+    from quantkit.quantizers.gptq import GPTQQuantizer
+    from quantkit.scheme import QuantScheme
+
+    class Staged(GPTQQuantizer):
+        def quantize_in_forward(self):
+            return False
+
+    class Counting(GPTQQuantizer):
+        def observe(self, name, module, x):
+            observed.append(name)
+            super().observe(name, module, x)
+
+    observed = []
+    model = _tiny_model(model_type)
+    ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
+    schemes = QuantScheme(bits=4, group_size=32).resolve(linear_shapes(model))
+    staged_model, one_pass_model = copy.deepcopy(model), copy.deepcopy(model)
+    staged = quantize_model(staged_model, get_adapter(model), Staged(), schemes, ids, batch_size=3, progress=False)
+    one_pass = quantize_model(one_pass_model, get_adapter(model), Counting(), schemes, ids, batch_size=3, progress=False)
+    import re
+
+    relative = sorted(re.sub(r"^.*layers\.\d+\.", "", n) for n in schemes)
+    assert sorted(observed) == relative, "each linear observed exactly once: a single pass"
+    assert list(one_pass) == list(staged)
+    for name in staged:
+        assert torch.equal(one_pass[name].qweight, staged[name].qweight), name
+        assert torch.equal(one_pass[name].scales, staged[name].scales), name
+        assert torch.equal(one_pass[name].zeros, staged[name].zeros), name
+    with torch.no_grad():
+        assert torch.equal(one_pass_model(ids).logits, staged_model(ids).logits)
+
+
+def test_one_pass_driver_refuses_stages_whose_linears_do_not_share_an_input():
+    """A quantizer claiming in-forward quantization with one stage holding the whole layer (o_proj's
+    input depends on q/k/v) would silently change the result: the hooks notice and say what to do."""
+    from quantkit.api import linear_shapes
+    from quantkit.calibrate import quantize_model
+    from quantkit.errors import QuantkitError
+    from quantkit.models import get_adapter
+    from quantkit.quantizers.gptq import GPTQQuantizer
+    from quantkit.scheme import QuantScheme
+
+    model = _tiny_model("llama", layers=1)
+    quantizer = GPTQQuantizer(true_sequential=False)
+    quantizer.quantize_in_forward = lambda: True
+    schemes = QuantScheme(bits=4, group_size=32).resolve(linear_shapes(model))
+    with pytest.raises(QuantkitError, match=r"do not share one input.*--batch-size below --num-samples"):
+        quantize_model(model, get_adapter(model), quantizer, schemes, torch.randint(0, 128, (2, 8)), batch_size=2,
+                       progress=False)
+
+
+def test_auto_batch_size_takes_the_whole_demo_calibration_set_and_splits_a_large_model():
+    import transformers
+
+    from quantkit.calibrate import auto_batch_size
+
+    demo = transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9)
+    assert auto_batch_size(demo, 128, 512, torch.float32) == 128
+    assert auto_batch_size(demo, 1, 512, torch.float32) == 1
+    big = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32)
+    per_sequence = 512 * 2 * (3 * 14336 + 4 * 4096 + 2 * 32 * 512)
+    assert auto_batch_size(big, 128, 512, torch.bfloat16) == (4 << 30) // per_sequence < 128

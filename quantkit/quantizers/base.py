@@ -69,6 +69,14 @@ class Quantizer:
         """Groups of linears (relative names) quantized together; later groups see earlier ones quantized."""
         return [[n for n in ctx.adapter.linear_names(ctx.layer) if n in ctx.schemes]]
 
+    def quantize_in_forward(self) -> bool:
+        """True when every stage's linears share one input tensor and the stages follow the forward order.
+
+        Then, when the calibration set is a single batch, the driver quantizes each linear from its
+        forward pre-hook (observe, quantize, fake-quantize, let the forward go on): one pass per layer
+        gives true-sequential results and the next layer's inputs, instead of a pass per stage plus one."""
+        return False
+
     def begin_layer(self, ctx: LayerContext) -> None:
         """Called once the layer is on the compute device, before any stage (AWQ/SmoothQuant transform here)."""
 

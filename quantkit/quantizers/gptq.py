@@ -1,7 +1,8 @@
 """GPTQ as a quantizer plugin: Hessians from the calibration hooks, the solver in gptq_core.
 
-True-sequential (default on) quantizes q/k/v, then o, then gate/up, then down, re-running the
-layer between stages so later linears see the earlier ones already quantized.
+True-sequential (default on) quantizes q/k/v, then o, then gate/up, then down, so later linears see
+the earlier ones already quantized (inside one forward pass when calibration is one batch, else
+re-running the layer between stages).
 """
 from __future__ import annotations
 
@@ -64,6 +65,9 @@ class GPTQQuantizer(Quantizer):
             return ctx.adapter.sequential_stages(ctx.layer)
         return super().stages(ctx)
 
+    def quantize_in_forward(self) -> bool:
+        return bool(self.options["true_sequential"])  # the adapters' stages: q/k/v, o, gate/up, down
+
     def observe(self, name: str, module: nn.Module, x: torch.Tensor) -> None:
         # q/k/v (and gate/up) receive the very same input tensor: accumulate its Hessian once and share it
         if x is self._last_input:
@@ -79,7 +83,8 @@ class GPTQQuantizer(Quantizer):
 
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme):
         acc = self._hessians.pop(name, None)
-        self._last_input, self._last_acc = None, None
+        # _last_input stays: when the driver quantizes in the forward, k and v arrive after q is done
+        # and must still share q's (complete) Hessian; a later pass brings new tensors, never a match
         if acc is not None and acc.n_samples == 0 and acc.n_dropped:
             # every calibration row reaching this linear held NaN/inf (one poisoned token spreads to the
             # whole sequence through attention): no Hessian to solve with, so round to nearest instead

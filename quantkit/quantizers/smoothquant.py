@@ -147,6 +147,9 @@ class SmoothQuantQuantizer(Quantizer):
     def stages(self, ctx: LayerContext) -> list[list[str]]:
         return self._gptq.stages(ctx) if self._gptq else super().stages(ctx)
 
+    def quantize_in_forward(self) -> bool:
+        return self._gptq.quantize_in_forward() if self._gptq else False
+
     def begin_layer(self, ctx: LayerContext) -> None:
         layer = ctx.layer
         groups = [g for g in ctx.adapter.input_groups(layer, ctx.config)
