@@ -91,8 +91,10 @@ def quantize(
     from quantkit.formats import get_format
     from quantkit.models import get_adapter
     from quantkit.sources import load_source_model, parse_dtype, source_dtype
+    from quantkit.streaming import bound_heap
 
     t0 = time.perf_counter()
+    bound_heap()  # a layer's weight-sized temporaries go back to the OS when freed (see streaming.bound_heap)
     rec = load_recipe(recipe) if recipe else {}
     quantizer = _make_quantizer(method if method is not None else rec.get("method", "rtn"), {**(rec.get("options") or {}), **(options or {})})
     scheme_dict = {**quantizer.default_scheme, **(rec.get("scheme") or {})}
@@ -157,7 +159,7 @@ def quantize(
                                 batch_size=batch_size, chat_template=chat_template, version=__version__,
                                 calibration_digest=_digest(input_ids)), resume=resume)
     try:
-        results = quantize_model(hf_model, adapter, quantizer, schemes, input_ids, device=compute_device,
+        quantize_model(hf_model, adapter, quantizer, schemes, input_ids, device=compute_device,
                                  batch_size=batch_size, progress=progress, store=store, layer_source=layer_source)
         ignore_names = sorted(n for n in linear_shapes(hf_model) if n not in schemes)
         write_checkpoint(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), format_name, method_info,

@@ -121,8 +121,9 @@ def quantize_model(
     which is exactly what the next layer must see during calibration. With a `store`, each
     finished layer is saved and layers already there are restored instead of recomputed (resume);
     with a `layer_source` (streaming), a layer's weights are read from disk only while it is
-    processed and dropped afterwards, and the returned dict stays empty (the results live only in
-    the store, so memory does not grow with the model's depth).
+    processed and dropped afterwards. With a `store` the returned dict stays empty: the results
+    live only in the store (the checkpoint writer reads them there), so memory does not grow with
+    the model's depth.
     """
     layers = adapter.decoder_layers(model)
     prefix = adapter.layers_prefix(model)
@@ -175,7 +176,7 @@ def quantize_model(
         if store is not None and i not in done:
             store.save_layer(LayerRecord(index=i, quantized=layer_results, other=_other_tensors(layer, layer_prefix, layer_results)))
         finished.update(layer_results)
-        if layer_source is None or store is None:
+        if store is None:
             results.update(layer_results)
         del layer_results
         if layer_source is not None:

@@ -80,7 +80,9 @@ def test_dynamic_act_order_gptq_checkpoint_dequantizes_to_gptq_result(tmp_path, 
     quantizer = get_quantizer("gptq", desc_act=True)
     store = ProgressStore(staging_dir(tmp_path / "dyn"))
     store.start({"test": 1}, resume=False)
-    results = quantize_model(model, get_adapter(model), quantizer, schemes, ids, progress=False, store=store)
+    quantize_model(model, get_adapter(model), quantizer, schemes, ids, progress=False, store=store)
+    results = {k: v for i in store.done_layers() for k, v in store.load_layer(i).quantized.items()}
+    assert set(results) == set(schemes)
     assert all(r.act_order == "dynamic" for r in results.values())
     assert not all(r.has_trivial_g_idx() for r in results.values())
     out = write_checkpoint(tmp_path / "dyn", model, tok, store, "model.layers", "gptq", quantizer.describe(),

@@ -476,3 +476,18 @@ def test_auto_batch_size_takes_the_whole_demo_calibration_set_and_splits_a_large
     big = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32)
     per_sequence = 512 * 2 * (3 * 14336 + 4 * 4096 + 2 * 32 * 512)
     assert auto_batch_size(big, 128, 512, torch.bfloat16) == (4 << 30) // per_sequence < 128
+
+
+@pytest.mark.parametrize("k", [100, 1024, 1300])
+def test_blocked_symmetric_gram_update_equals_the_full_product(k):
+    """add_gram_ multiplies only the upper block triangle of x^T x for wide inputs and mirrors it."""
+    from quantkit.quantizers.gptq_core import add_gram_
+
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(300, k, generator=g)
+    H0 = torch.randn(k, k, generator=g)
+    H0 = H0 + H0.T
+    H = add_gram_(H0.clone(), x, alpha=0.25, beta=0.5)
+    expected = 0.5 * H0.double() + 0.25 * x.double().T @ x.double()
+    torch.testing.assert_close(H.double(), expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(H, H.T)
