@@ -91,10 +91,8 @@ def quantize(
     from quantkit.formats import get_format
     from quantkit.models import get_adapter
     from quantkit.sources import load_source_model, parse_dtype, source_dtype
-    from quantkit.streaming import bound_heap
 
     t0 = time.perf_counter()
-    bound_heap()  # a layer's weight-sized temporaries go back to the OS when freed (see streaming.bound_heap)
     rec = load_recipe(recipe) if recipe else {}
     quantizer = _make_quantizer(method if method is not None else rec.get("method", "rtn"), {**(rec.get("options") or {}), **(options or {})})
     scheme_dict = {**quantizer.default_scheme, **(rec.get("scheme") or {})}

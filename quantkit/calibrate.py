@@ -23,6 +23,7 @@ from quantkit.qtensor import QuantizedWeight
 from quantkit.progress import LayerRecord, ProgressStore
 from quantkit.quantizers.base import LayerContext, Quantizer
 from quantkit.scheme import LinearScheme
+from quantkit.streaming import trim_heap
 
 
 class _StopForward(Exception):
@@ -181,6 +182,8 @@ def quantize_model(
         del layer_results
         if layer_source is not None:
             layer_source.release(i)
+        else:
+            trim_heap()  # the layer's freed temporaries and replaced weights go back to the OS
         bar.set_postfix(layer_s=f"{time.perf_counter() - t0:.2f}")
     missing = set(schemes) - finished
     if missing:
