@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import resource
 import shutil
 import time
 from pathlib import Path
@@ -13,27 +12,11 @@ from torch import nn
 
 from quantkit import __version__
 from quantkit.errors import QuantkitError
+from quantkit.memory import peak_rss_mb
 from quantkit.quantizers.base import Quantizer, get_quantizer
 from quantkit.scheme import QuantScheme, load_recipe, parse_group_size, scheme_from_dict
 
 DEFAULTS = {"bits": 4, "group_size": "auto", "num_samples": 128, "seq_len": 512, "seed": 0, "dataset": "lee"}
-
-
-def peak_rss_mb() -> float:
-    """This process's own peak resident memory, in MB.
-
-    Linux's `ru_maxrss` is not it for a child of a big process: `subprocess` starts children with
-    vfork, and exec carries the parent's high-water mark into the child's `ru_maxrss` (a 4.3 GB
-    pytest parent made a 0.8 GB quantize run report 4.3 GB). `VmHWM` belongs to the process's own
-    address space, so it is read first; `ru_maxrss` remains the fallback off Linux."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError, IndexError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:

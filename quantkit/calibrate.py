@@ -195,20 +195,29 @@ def _quantize_layer(ctx: LayerContext, quantizer: Quantizer, needs_data: bool, d
     """begin_layer, then each stage: observe its linears' inputs, quantize, fake-quantize in place."""
     quantizer.begin_layer(ctx)
     layer_results = {}
-    for stage in quantizer.stages(ctx):
-        stage = [n for n in stage if n in ctx.schemes]
-        if not stage:
-            continue
+    for stage in _target_stages(ctx, quantizer):
         modules = {n: ctx.layer.get_submodule(n) for n in stage}
         if needs_data and quantizer.needs_observe:
             _observe_stage(ctx.layer, modules, quantizer, ctx.inputs, device, compute_dtype)
         for n, m in modules.items():
-            with torch.no_grad():
-                qw = quantizer.quantize_linear(n, m, ctx.schemes[n])
-                _check_finite(ctx.prefix + n, qw)
-                m.weight.data = qw.dequantize(m.weight.dtype).to(m.weight.device)
-            layer_results[ctx.prefix + n] = _to_cpu(qw)
+            layer_results[ctx.prefix + n] = _to_cpu(_quantize_in_place(ctx, quantizer, n, m))
     return layer_results
+
+
+def _target_stages(ctx: LayerContext, quantizer: Quantizer) -> list[list[str]]:
+    """The quantizer's stages restricted to this layer's target linears, empty stages dropped."""
+    stages = [[n for n in stage if n in ctx.schemes] for stage in quantizer.stages(ctx)]
+    return [stage for stage in stages if stage]
+
+
+@torch.no_grad()
+def _quantize_in_place(ctx: LayerContext, quantizer: Quantizer, name: str, module: nn.Module) -> QuantizedWeight:
+    """Quantize one linear and leave it fake-quantized (its weight replaced by the dequantized
+    values), which is what everything downstream in the calibration must see."""
+    qw = quantizer.quantize_linear(name, module, ctx.schemes[name])
+    _check_finite(ctx.prefix + name, qw)
+    module.weight.data = qw.dequantize(module.weight.dtype).to(module.weight.device)
+    return qw
 
 
 @torch.no_grad()
@@ -219,8 +228,7 @@ def _quantize_layer_in_one_pass(ctx: LayerContext, quantizer: Quantizer, device,
     result when each stage's linears share one input and stages follow the forward order, which
     the hooks check; returns the results and the layer's outputs (no extra pass for the next layer)."""
     quantizer.begin_layer(ctx)
-    stages = [[n for n in stage if n in ctx.schemes] for stage in quantizer.stages(ctx)]
-    stages = [stage for stage in stages if stage]
+    stages = _target_stages(ctx, quantizer)
     stage_of = {n: k for k, stage in enumerate(stages) for n in stage}
     stage_input: dict[int, torch.Tensor] = {}
     layer_results: dict[str, QuantizedWeight] = {}
@@ -239,10 +247,7 @@ def _quantize_layer_in_one_pass(ctx: LayerContext, quantizer: Quantizer, device,
             if stage_input.setdefault(k, x) is not x:
                 fail(f"the linears of stage {stages[k]} do not share one input")
             quantizer.observe(name, module, x)
-            qw = quantizer.quantize_linear(name, module, ctx.schemes[name])
-            _check_finite(ctx.prefix + name, qw)
-            module.weight.data = qw.dequantize(module.weight.dtype).to(module.weight.device)
-            layer_results[name] = qw
+            layer_results[name] = _quantize_in_place(ctx, quantizer, name, module)
 
         return hook
 
@@ -254,7 +259,6 @@ def _quantize_layer_in_one_pass(ctx: LayerContext, quantizer: Quantizer, device,
     finally:
         for h in handles:
             h.remove()
-        stage_input.clear()
     missing = [n for n in stage_of if n not in layer_results]
     if missing:
         fail(f"{missing[0]} never ran in the forward")

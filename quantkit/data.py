@@ -11,7 +11,8 @@ A *source* is one of:
 Named datasets and local files have two disjoint splits, ``calibration`` and ``eval``; a single
 local file is split by documents, the first 80 % calibrating and the last 20 % held out (``lee``:
 90/10, see the registry), and held-out documents that repeat a calibration document are dropped,
-so perplexity is never measured on calibrated text (``split="all"`` takes the whole file). In-memory sources are used as given: the caller already chose the data.
+so perplexity is never measured on calibrated text (``split="all"`` takes the whole file).
+In-memory sources are used as given: the caller already chose the data.
 """
 from __future__ import annotations
 

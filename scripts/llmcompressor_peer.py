@@ -4,7 +4,8 @@
 Why this exists: `scripts/bench_quantize.py` compares quantkit against llm-compressor (wall time,
 peak RSS, held-out perplexity). This script is that comparison's *benchmark peer only*: it runs
 under a separate venv where `llmcompressor` is installed (e.g. /work/peer-venv/bin/python), never
-imports quantkit, and llm-compressor is never a dependency of quantkit. The calibration token ids
+imports the quantkit package (only quantkit/memory.py, stdlib-only, loaded by path so both tools
+measure peak RSS alike), and llm-compressor is never a dependency of quantkit. The calibration token ids
 come from a safetensors file that bench_quantize.py writes with quantkit's own data pipeline
 (key "input_ids", int64 [num_samples, seq_len]), so both tools calibrate on exactly the same tokens.
 
@@ -21,22 +22,23 @@ int-quantized for W8A8). The last stdout line is one JSON object; "seconds" is t
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import resource
 import time
 from pathlib import Path
 
 
-def peak_rss_mb() -> float:
-    """Own peak RSS (VmHWM): ru_maxrss of a vforked child carries the parent's peak (quantkit.api.peak_rss_mb)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _load_peak_rss_mb():
+    """quantkit/memory.py's reader, loaded by path (stdlib only; the quantkit package is not imported),
+    so both tools' peak RSS is measured the same way (VmHWM, not a vforked child's ru_maxrss)."""
+    path = Path(__file__).resolve().parent.parent / "quantkit" / "memory.py"
+    spec = importlib.util.spec_from_file_location("_quantkit_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.peak_rss_mb
+
+
+peak_rss_mb = _load_peak_rss_mb()
 
 
 def weight_args(bits: int, group_size: int, symmetric: bool) -> dict:

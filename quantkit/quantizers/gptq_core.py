@@ -25,7 +25,6 @@ floating point rounding). With group_size % block_size == 0 (e.g. 128/128) both 
 """
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from typing import Optional
