@@ -36,6 +36,9 @@ class InputGroup:
     prev_rows: for a fused linear ``prev`` (Phi-3 qkv_proj, gate_up_proj), the half-open range
                ``(start, stop)`` of its output rows that feed ``linears``; only those rows may be
                rescaled. None means all rows.
+    token_wise: ``inspect`` maps each token on its own (an MLP), so AWQ may measure its loss on a
+               strided sample of tokens instead of whole sequences. A linear ``inspect`` is always
+               token-wise; attention never is (the default, False, is the safe answer).
     """
 
     prev: str
@@ -43,6 +46,7 @@ class InputGroup:
     inspect: str
     kind: str
     prev_rows: tuple[int, int] | None = None
+    token_wise: bool = False
 
     def __post_init__(self):
         if self.kind not in (NORM, LINEAR):

@@ -46,7 +46,7 @@ class LlamaAdapter(ArchitectureAdapter):
         # widths, not on weight shapes: qwen3 can have num_heads*head_dim != hidden_size.
         if resolve(layer, V).out_features == resolve(layer, O).in_features:
             groups.append(InputGroup(V, (O,), inspect=O, kind=LINEAR))
-        groups.append(InputGroup("post_attention_layernorm", (GATE, UP), inspect="mlp", kind=NORM))
+        groups.append(InputGroup("post_attention_layernorm", (GATE, UP), inspect="mlp", kind=NORM, token_wise=True))
         # up -> down: down sees act(gate(x)) * up(x), linear in up's output for any activation.
         groups.append(InputGroup(UP, (DOWN,), inspect=DOWN, kind=LINEAR))
         return groups

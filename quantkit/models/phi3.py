@@ -49,7 +49,7 @@ class Phi3Adapter(LlamaAdapter):
                 InputGroup(QKV, (O,), inspect=O, kind=LINEAR, prev_rows=(qkv.out_features - v_width, qkv.out_features))
             )
 
-        groups.append(InputGroup("post_attention_layernorm", (GATE_UP,), inspect="mlp", kind=NORM))
+        groups.append(InputGroup("post_attention_layernorm", (GATE_UP,), inspect="mlp", kind=NORM, token_wise=True))
 
         # gate_up -> down, folded into the up half only: down sees up * act(gate), linear in up,
         # while rescaling gate rows would go through the nonlinearity.

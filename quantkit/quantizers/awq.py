@@ -4,14 +4,20 @@ Per decoder layer, in `begin_layer` (AutoAWQ's `_search_best_scale` / `_search_b
 
 1. One calibration pass with hooks records, for every input group of the architecture adapter
    (norm -> q/k/v, v -> o, norm -> gate/up, up -> down, ...), the mean |x| per input channel over
-   all calibration tokens, the inputs of the group's ``inspect`` module (a token subsample, see
-   ``max_search_tokens``) and a strided token subsample of every clipped linear's input.
+   all calibration tokens, the inputs of the group's ``inspect`` module and a strided token
+   subsample of every clipped linear's input. Attention mixes tokens, so its inputs are whole
+   sequences (up to ``max_search_tokens``); a token-wise ``inspect`` (an MLP, a linear) gets a
+   strided sample of ``token_search_tokens`` tokens drawn from every sequence and position.
 2. Scale search, per group, on the layer's original weights: for alpha in {0, 1/n, ..., (n-1)/n}
    s = x_mean^alpha (``duo_scaling``: / (w_mean^(1-alpha) + 1e-4), w_mean being the mean of the
    group-normalised |W| per input channel), clamped at 1e-4 and normalised by sqrt(max*min);
    the group's linears become fake_quant(W*s)/s and the loss is the MSE of the ``inspect``
    module's output (attention block for q/k/v, MLP for gate/up, the linear itself otherwise)
-   against its full-precision output. The first alpha with the lowest loss wins.
+   against its full-precision output. The first alpha with the lowest loss wins. When ``inspect``
+   is the group's one linear its output MSE is mean((X dW^T)^2) with dW = fake_quant(W*s)/s - W
+   (the bias cancels); with more sampled tokens T than inputs K it is computed from the Gram
+   matrix G = X^T X as sum((dW G) * dW) / (T N): the same number for a K x K x N product per
+   alpha instead of T x K x N.
 3. The chosen scales are folded into ``prev`` (``fold_scales``: exact in full precision), and
    the cached clip inputs of the group's linears are divided by s, as AutoAWQ's ``apply_scale``
    does, so they are what the scaled linears will actually see.
@@ -170,6 +176,11 @@ def _slice_batch(obj, rows: int, batch: int, seq: int):
     return obj
 
 
+def _token_wise(group) -> bool:
+    """Whether the group's loss may run on a token sample: its inspect module maps tokens one by one."""
+    return group.token_wise or group.inspect in group.linears
+
+
 def _first_output(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -181,6 +192,7 @@ class _Capture:
         self.x_abs_sum: dict[str, torch.Tensor] = {}  # first linear of a group -> sum |x| per channel
         self.x_count: dict[str, int] = {}
         self.inspect_inputs: dict[str, list] = {}  # inspect module -> [(args, kwargs)] of the sampled batches
+        self.token_x: dict[str, list] = {}  # token-wise inspect module -> [tokens, K] pieces (then one tensor)
         self.clip_x: dict[str, list] = {}  # clipped linear -> [tokens, K] pieces
         self.calls: dict[str, int] = {}
 
@@ -195,7 +207,9 @@ class AWQQuantizer(Quantizer):
     options_spec = {
         "duo_scaling": True,  # s = x_mean^a / w_mean^(1-a) (AutoAWQ's default) instead of x_mean^a
         "n_grid": 20,  # alpha grid {0, 1/n, ..., (n-1)/n}
-        "max_search_tokens": 4096,  # tokens (whole sequences) the scale-search loss runs on; 0: all
+        # the scale-search loss re-runs its block 20 times, so it runs on samples (0: all tokens):
+        "max_search_tokens": 2048,  # whole sequences, for blocks that mix tokens (attention)
+        "token_search_tokens": 1024,  # a strided token sample from every sequence, for token-wise blocks (MLP, a linear)
         "clip": True,  # search and apply per-group weight clipping
         "clip_n_grid": 20,
         "clip_max_shrink": 0.5,  # ratios 1.0 down to (not including) 1 - max_shrink
@@ -208,7 +222,7 @@ class AWQQuantizer(Quantizer):
         for key in ("n_grid", "clip_n_grid"):
             if not isinstance(o[key], int) or isinstance(o[key], bool) or o[key] < 1:
                 raise QuantkitError(f"awq option {key} must be a positive integer, got {o[key]!r}")
-        for key in ("max_search_tokens", "clip_search_tokens"):
+        for key in ("max_search_tokens", "token_search_tokens", "clip_search_tokens"):
             if o[key] is not None and (not isinstance(o[key], int) or isinstance(o[key], bool) or o[key] < 0):
                 raise QuantkitError(f"awq option {key} must be a non-negative integer (0: all tokens), got {o[key]!r}")
         if not 0 < float(o["clip_max_shrink"]) < 1:
@@ -239,6 +253,7 @@ class AWQQuantizer(Quantizer):
                                   "alpha": found["alpha"], "losses": found["losses"],
                                   "scales": found["scales"].detach().cpu()})
         cap.inspect_inputs.clear()
+        cap.token_x.clear()
         for name in clip_targets:
             x = cap.clip_x.pop(name)
             lin = layer.get_submodule(name)
@@ -280,13 +295,17 @@ class AWQQuantizer(Quantizer):
         plan = self._plan(ctx.inputs)
         shapes = [(h.shape[0], h.shape[1] if h.dim() > 2 else 1) for h, _ in ctx.inputs]
         total_tokens = sum(b * t for b, t in shapes)
-        n_clip = self.options["clip_search_tokens"]
-        stride = 1 if not n_clip else max(1, total_tokens // int(n_clip))
         offsets = [sum(b * t for b, t in shapes[:i]) for i in range(len(shapes))]
 
+        def stride_for(n_tokens):
+            return 1 if not n_tokens else max(1, total_tokens // int(n_tokens))
+
+        clip_stride = stride_for(self.options["clip_search_tokens"])
+        token_stride = stride_for(self.options["token_search_tokens"])
         mean_of = {g.linears[0] for g in groups}
-        inspect_of = {g.inspect for g in groups}
-        names = sorted(mean_of | inspect_of | set(clip_targets))
+        token_wise = {g.inspect for g in groups if _token_wise(g)}
+        inspect_of = {g.inspect for g in groups} - token_wise
+        names = sorted(mean_of | inspect_of | token_wise | set(clip_targets))
         clip_set = set(clip_targets)
 
         def make_hook(name):
@@ -296,7 +315,7 @@ class AWQQuantizer(Quantizer):
                 if i >= len(shapes):
                     raise QuantkitError(f"awq: '{name}' ran more than once per calibration batch; unsupported layout")
                 x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
-                if name in mean_of or name in clip_set:
+                if name in mean_of or name in clip_set or name in token_wise:
                     x2 = x.detach().reshape(-1, x.shape[-1])
                 if name in mean_of:
                     s = x2.float().abs().sum(0)
@@ -306,9 +325,12 @@ class AWQQuantizer(Quantizer):
                     b, t = shapes[i]
                     cap.inspect_inputs.setdefault(name, []).append(
                         (_slice_batch(args, plan[i], b, t), _slice_batch(kwargs, plan[i], b, t)))
+                if name in token_wise:  # one global stride over all batches' tokens
+                    first = (-offsets[i]) % token_stride
+                    cap.token_x.setdefault(name, []).append(x2[first::token_stride].clone())
                 if name in clip_set:
-                    first = (-offsets[i]) % stride
-                    cap.clip_x.setdefault(name, []).append(x2[first::stride].float().clone())
+                    first = (-offsets[i]) % clip_stride
+                    cap.clip_x.setdefault(name, []).append(x2[first::clip_stride].float().clone())
 
             return hook
 
@@ -323,6 +345,7 @@ class AWQQuantizer(Quantizer):
                 raise QuantkitError(f"awq: '{name}' ran {cap.calls.get(name, 0)} times for {len(shapes)} "
                                     "calibration batches; unsupported layout")
         cap.clip_x = {n: torch.cat(v) for n, v in cap.clip_x.items()}
+        cap.token_x = {n: torch.cat(v) for n, v in cap.token_x.items()}
         return cap
 
     def _run_inspect(self, module: nn.Module, batches: list) -> list[torch.Tensor]:
@@ -338,10 +361,28 @@ class AWQQuantizer(Quantizer):
         if self.options["duo_scaling"]:
             w_mean = weight_mean([m.weight for m in linears.values()], [schemes[n].group_size for n in quantized])
         inspect = layer.get_submodule(group.inspect)
-        batches = cap.inspect_inputs[group.inspect]
-        reference = self._run_inspect(inspect, batches)
-        numel = sum(r.numel() for r in reference)
         originals = {n: m.weight.data.clone() for n, m in linears.items()}
+        if group.linears == (group.inspect,):
+            x = cap.token_x[group.inspect].float()
+            w0 = originals[group.inspect].float()
+            t, k = x.shape
+            # the linear's output MSE, mean((x dW^T)^2) with dW = W_q - W: the bias cancels, so it is
+            # a quadratic form in dW, run from the Gram matrix when that is the smaller product
+            gram = (x.t() @ x) / (t * w0.shape[0]) if t > k else None
+
+            def group_loss() -> float:
+                dw = inspect.weight.float() - w0
+                if gram is None:
+                    return float((x @ dw.t()).pow(2).sum()) / (t * w0.shape[0])
+                return float(((dw @ gram) * dw).sum())
+        else:
+            batches = [((cap.token_x[group.inspect],), {})] if _token_wise(group) else cap.inspect_inputs[group.inspect]
+            reference = self._run_inspect(inspect, batches)
+            numel = sum(r.numel() for r in reference)
+
+            def group_loss() -> float:
+                out = self._run_inspect(inspect, batches)
+                return sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference)) / numel
         n_grid = int(self.options["n_grid"])
         losses: list[float] = []
         best = (math.inf, None, None)
@@ -353,8 +394,7 @@ class AWQQuantizer(Quantizer):
                     w = originals[n]
                     sv = s.to(device=w.device, dtype=torch.float32).view(1, -1)
                     m.weight.data = (fake_quantize_grouped(w.float() * sv, schemes[n]) / sv).to(w.dtype)
-                out = self._run_inspect(inspect, batches)
-                loss = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference)) / numel
+                loss = group_loss()
                 losses.append(loss)
                 if loss < best[0]:
                     best = (loss, alpha, s.clone())
