@@ -68,7 +68,7 @@ def quantize(
     `streaming=None` reads decoder layers from disk one at a time when the model would not fit
     comfortably in memory (True/False force it)."""
     from quantkit import data
-    from quantkit.calibrate import auto_batch_size, quantize_model
+    from quantkit.calibrate import CALIBRATION_BATCH_BUDGET, STAGED_BATCH_BUDGET, auto_batch_size, quantize_model
     from quantkit.checkpoint import check_output_dir, staging_dir, write_checkpoint
     from quantkit.progress import ProgressStore, run_fingerprint
     from quantkit.formats import get_format
@@ -132,7 +132,9 @@ def quantize(
         method_info.update({"calibration": str(dataset) if isinstance(dataset, (str, Path)) else type(dataset).__name__,
                             "num_samples": num_samples, "seq_len": seq_len})
     if batch_size is None:
-        batch_size = auto_batch_size(hf_model.config, num_samples, seq_len, torch.float32)
+        one_pass = quantizer.needs_observe and quantizer.quantize_in_forward()
+        batch_size = auto_batch_size(hf_model.config, num_samples, seq_len, torch.float32,
+                                     CALIBRATION_BATCH_BUDGET if one_pass else STAGED_BATCH_BUDGET)
     elif batch_size < 1:
         raise QuantkitError(f"--batch-size must be at least 1, got {batch_size}")
     store = ProgressStore(staging_dir(output))

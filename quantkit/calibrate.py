@@ -81,13 +81,18 @@ def capture_layer_inputs(model, adapter, input_ids: torch.Tensor, batch_size: in
     return captured
 
 
-CALIBRATION_BATCH_BUDGET = 4 << 30  # bytes of transient activations one calibration forward may take
+# bytes of transient activations one calibration forward may take: a quantizer that can work inside
+# one forward (GPTQ) saves whole passes when the set is one batch, so it may take more; the others
+# gain nothing from one batch, and their memory should not grow with the calibration set
+CALIBRATION_BATCH_BUDGET = 4 << 30
+STAGED_BATCH_BUDGET = 1 << 30
 
 
-def auto_batch_size(config, num_samples: int, seq_len: int, dtype: torch.dtype) -> int:
+def auto_batch_size(config, num_samples: int, seq_len: int, dtype: torch.dtype,
+                    budget: int = CALIBRATION_BATCH_BUDGET) -> int:
     """Calibration sequences per forward: all of them when one decoder layer's forward over the whole
-    set stays within `CALIBRATION_BATCH_BUDGET` (then GPTQ needs one pass per layer), else as many as
-    fit. Read from the config alone, never from free memory, so a rerun batches (and rounds) the same."""
+    set stays within `budget` (then GPTQ needs one pass per layer), else as many as fit. Read from
+    the config alone, never from free memory, so a rerun batches (and rounds) the same."""
     config = getattr(config, "text_config", None) or config
     hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "d_model", 0) or 4096)
     intermediate = int(getattr(config, "intermediate_size", 0) or getattr(config, "ffn_dim", 0) or 4 * hidden)
@@ -95,7 +100,7 @@ def auto_batch_size(config, num_samples: int, seq_len: int, dtype: torch.dtype) 
     itemsize = torch.empty((), dtype=dtype).element_size()
     # gate, up and their product; a few hidden-sized tensors; attention scores and their softmax
     per_sequence = seq_len * itemsize * (3 * intermediate + 4 * hidden + 2 * heads * seq_len)
-    return max(1, min(num_samples, CALIBRATION_BATCH_BUDGET // per_sequence))
+    return max(1, min(num_samples, budget // per_sequence))
 
 
 def _layer_output(out):

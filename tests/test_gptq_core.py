@@ -476,6 +476,23 @@ def test_auto_batch_size_takes_the_whole_demo_calibration_set_and_splits_a_large
     big = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32)
     per_sequence = 512 * 2 * (3 * 14336 + 4 * 4096 + 2 * 32 * 512)
     assert auto_batch_size(big, 128, 512, torch.bfloat16) == (4 << 30) // per_sequence < 128
+    # methods without a one-pass driver (AWQ, SmoothQuant) take the smaller budget
+    demo_per_sequence = 512 * 4 * (3 * 1536 + 4 * 576 + 2 * 9 * 512)
+    assert auto_batch_size(demo, 128, 512, torch.float32, 1 << 30) == (1 << 30) // demo_per_sequence == 32
+
+
+def test_calibration_batch_size_follows_the_quantizers_driver(tiny_llama_dir, tmp_path, monkeypatch):
+    """GPTQ (one pass) gets the 4 GiB budget, AWQ the 1 GiB one: with budgets shrunk so that the
+    tiny model's 4 sequences fit only the larger, GPTQ runs them as one batch and AWQ as two."""
+    import quantkit
+    from quantkit import calibrate
+
+    per_sequence = 16 * 4 * (3 * 128 + 4 * 64 + 2 * 4 * 16)
+    monkeypatch.setattr(calibrate, "CALIBRATION_BATCH_BUDGET", 4 * per_sequence)
+    monkeypatch.setattr(calibrate, "STAGED_BATCH_BUDGET", 2 * per_sequence)
+    sizes = {m: quantkit.quantize(str(tiny_llama_dir), m, bits=4, group_size=32, num_samples=4, seq_len=16,
+                                  output=tmp_path / m, progress=False)["calibration_batch_size"] for m in ("gptq", "awq")}
+    assert sizes == {"gptq": 4, "awq": 2}
 
 
 @pytest.mark.parametrize("k", [100, 1024, 1300])
