@@ -68,7 +68,8 @@ def quantize(
     `streaming=None` reads decoder layers from disk one at a time when the model would not fit
     comfortably in memory (True/False force it)."""
     from quantkit import data
-    from quantkit.calibrate import CALIBRATION_BATCH_BUDGET, STAGED_BATCH_BUDGET, auto_batch_size, quantize_model
+    from quantkit.calibrate import (CALIBRATION_BATCH_BUDGET, STAGED_BATCH_BUDGET, auto_batch_size, quantize_model,
+                                    runs_in_one_pass)
     from quantkit.checkpoint import check_output_dir, staging_dir, write_checkpoint
     from quantkit.progress import ProgressStore, run_fingerprint
     from quantkit.formats import get_format
@@ -132,9 +133,8 @@ def quantize(
         method_info.update({"calibration": str(dataset) if isinstance(dataset, (str, Path)) else type(dataset).__name__,
                             "num_samples": num_samples, "seq_len": seq_len})
     if batch_size is None:
-        one_pass = quantizer.needs_observe and quantizer.quantize_in_forward()
-        batch_size = auto_batch_size(hf_model.config, num_samples, seq_len, torch.float32,
-                                     CALIBRATION_BATCH_BUDGET if one_pass else STAGED_BATCH_BUDGET)
+        budget = CALIBRATION_BATCH_BUDGET if runs_in_one_pass(quantizer) else STAGED_BATCH_BUDGET
+        batch_size = auto_batch_size(hf_model.config, num_samples, seq_len, torch.float32, budget)
     elif batch_size < 1:
         raise QuantkitError(f"--batch-size must be at least 1, got {batch_size}")
     store = ProgressStore(staging_dir(output))
@@ -143,7 +143,7 @@ def quantize(
                                 calibration_digest=_digest(input_ids)), resume=resume)
     try:
         quantize_model(hf_model, adapter, quantizer, schemes, input_ids, device=compute_device,
-                                 batch_size=batch_size, progress=progress, store=store, layer_source=layer_source)
+                       batch_size=batch_size, progress=progress, store=store, layer_source=layer_source)
         ignore_names = sorted(n for n in linear_shapes(hf_model) if n not in schemes)
         write_checkpoint(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), format_name, method_info,
                          quantizer.format_extra(), base_name, save_dtype, ignore_names, max_shard_size=max_shard_size,

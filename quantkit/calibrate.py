@@ -103,6 +103,12 @@ def auto_batch_size(config, num_samples: int, seq_len: int, dtype: torch.dtype,
     return max(1, min(num_samples, budget // per_sequence))
 
 
+def runs_in_one_pass(quantizer: Quantizer) -> bool:
+    """Whether the quantizer uses the one-forward-per-layer driver when calibration is one batch
+    (the driver's choice, and the reason such a quantizer gets the larger batch budget)."""
+    return quantizer.needs_calibration and quantizer.needs_observe and quantizer.quantize_in_forward()
+
+
 def _layer_output(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -167,7 +173,7 @@ def quantize_model(
             layer_schemes = {n[len(layer_prefix):]: s for n, s in schemes.items() if n.startswith(layer_prefix)}
             ctx = LayerContext(index=i, layer=layer, prefix=layer_prefix, adapter=adapter, config=model.config,
                                schemes=layer_schemes, inputs=inputs, run_layer=run_layer)
-            if needs_data and quantizer.needs_observe and len(inputs) == 1 and quantizer.quantize_in_forward():
+            if len(inputs) == 1 and runs_in_one_pass(quantizer):
                 layer_results, outputs = _quantize_layer_in_one_pass(ctx, quantizer, device, compute_dtype)
             else:
                 layer_results = _quantize_layer(ctx, quantizer, needs_data, device, compute_dtype)

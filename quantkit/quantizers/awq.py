@@ -176,6 +176,12 @@ def _slice_batch(obj, rows: int, batch: int, seq: int):
     return obj
 
 
+def _strided_rows(x: torch.Tensor, offset: int, stride: int) -> torch.Tensor:
+    """The rows of one batch's tokens x (starting at global token ``offset``) that fall on a single
+    stride running over all batches, so the sample is the same however the set is batched."""
+    return x[(-offset) % stride::stride]
+
+
 def _token_wise(group) -> bool:
     """Whether the group's loss may run on a token sample: its inspect module maps tokens one by one."""
     return group.token_wise or group.inspect in group.linears
@@ -325,12 +331,10 @@ class AWQQuantizer(Quantizer):
                     b, t = shapes[i]
                     cap.inspect_inputs.setdefault(name, []).append(
                         (_slice_batch(args, plan[i], b, t), _slice_batch(kwargs, plan[i], b, t)))
-                if name in token_wise:  # one global stride over all batches' tokens
-                    first = (-offsets[i]) % token_stride
-                    cap.token_x.setdefault(name, []).append(x2[first::token_stride].clone())
+                if name in token_wise:
+                    cap.token_x.setdefault(name, []).append(_strided_rows(x2, offsets[i], token_stride).clone())
                 if name in clip_set:
-                    first = (-offsets[i]) % clip_stride
-                    cap.clip_x.setdefault(name, []).append(x2[first::clip_stride].float().clone())
+                    cap.clip_x.setdefault(name, []).append(_strided_rows(x2, offsets[i], clip_stride).float().clone())
 
             return hook
 
