@@ -181,6 +181,27 @@ def test_block_size_does_not_change_result():
     assert torch.equal(a.g_idx, b.g_idx)
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_stacked_solve_equals_separate_solves(act_order):
+    """GPTQ treats each output row on its own given H, which is why the plugin solves q/k/v (and
+    gate/up) as one stacked matrix: each linear's rows must come out as from its own solve."""
+    x = correlated_inputs(512, 64)
+    H = 2 * x.T @ x / x.shape[0]
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.randn(rows, 64, generator=g) for rows in (48, 16, 16)]
+    kw = dict(bits=4, group_size=16, sym=False, block_size=32, act_order=act_order)
+    stacked, stats = gptq_quantize(torch.cat(parts), H, **kw)
+    start = 0
+    for w in parts:
+        alone, alone_stats = gptq_quantize(w, H, **kw)
+        rows = slice(start, start + w.shape[0])
+        start = rows.stop
+        assert torch.equal(stacked.qweight[rows], alone.qweight)
+        assert torch.equal(stacked.scales[rows], alone.scales) and torch.equal(stacked.zeros[rows], alone.zeros)
+        assert torch.equal(stacked.g_idx, alone.g_idx)
+        assert math.isclose(float(stats["row_loss"][rows].sum()), alone_stats["loss"], rel_tol=1e-5)
+
+
 def test_hessian_accumulator_equals_one_shot():
     k = 40
     x = correlated_inputs(300, k, seed=7)
@@ -375,17 +396,23 @@ def test_driver_shares_one_hessian_per_input_and_it_equals_the_inputs_gram(batch
 
     class Spy(GPTQQuantizer):
         def quantize_linear(self, name, module, scheme):
-            grabbed.setdefault(name, self._hessians.get(name))
+            for n, acc in self._hessians.items():  # k and v are solved with q, so grab all pending
+                grabbed.setdefault(n, acc)
             return super().quantize_linear(name, module, scheme)
 
     grabbed = {}
     schemes = QuantScheme(bits=4, group_size=32).resolve(linear_shapes(model))
-    quantize_model(model, get_adapter(model), Spy(), schemes, ids, batch_size=batch_size, progress=False)
+    spy = Spy()
+    quantize_model(model, get_adapter(model), spy, schemes, ids, batch_size=batch_size, progress=False)
     attn, mlp = "self_attn.", "mlp."
     assert grabbed[attn + "q_proj"] is grabbed[attn + "k_proj"] is grabbed[attn + "v_proj"]
     assert grabbed[mlp + "gate_proj"] is grabbed[mlp + "up_proj"]
     assert grabbed[attn + "o_proj"] is not grabbed[attn + "q_proj"]
     assert grabbed[mlp + "down_proj"] is not grabbed[mlp + "gate_proj"]
+    # linears sharing a Hessian (and a scheme) go through one stacked solve
+    assert spy.layer_stats[attn + "k_proj"]["solved_with"] == [attn + "q_proj", attn + "v_proj"]
+    assert spy.layer_stats[mlp + "gate_proj"]["solved_with"] == [mlp + "up_proj"]
+    assert "solved_with" not in spy.layer_stats[attn + "o_proj"]
     torch.testing.assert_close(grabbed[attn + "q_proj"].hessian().double(), 2 * x.T @ x / x.shape[0],
                                rtol=1e-5, atol=1e-6)
 
@@ -404,12 +431,24 @@ def _tiny_model(model_type: str, layers: int = 2):
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "opt", "phi3"])
-def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type):
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "opt", "phi3", "llama-mlp-chunks"])
+def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type, monkeypatch):
     """With one calibration batch GPTQ quantizes each linear from its forward pre-hook: one pass per
     layer instead of one per stage plus one. It must be the same true-sequential computation: the
-    same integers, scales and next-layer inputs as the stage-by-stage driver on the same batch."""
+    same integers, scales and next-layer inputs as the stage-by-stage driver on the same batch.
+    In "llama-mlp-chunks" the one-pass driver runs the gated MLP 5 tokens at a time (48 tokens)."""
     import copy
+
+    from quantkit import calibrate
+
+    chunked = model_type == "llama-mlp-chunks"
+    if chunked:
+        model_type = "llama"
+        monkeypatch.setattr(calibrate, "MLP_CHUNK_BYTES", 5 * 128 * 4)  # 5 rows of the fp32 [*, 128] gate
+        monkeypatch.setattr(calibrate, "MLP_CHUNK_MIN_ROWS", 1)
+        chunk_rows = []
+        real_mul = torch.mul
+        monkeypatch.setattr(torch, "mul", lambda a, b, out=None: (chunk_rows.append(a.shape[0]), real_mul(a, b, out=out))[1])
 
     from quantkit.api import linear_shapes
     from quantkit.calibrate import quantize_model
@@ -438,12 +477,27 @@ def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type):
     relative = sorted(re.sub(r"^.*layers\.\d+\.", "", n) for n in schemes)
     assert sorted(observed) == relative, "each linear observed exactly once: a single pass"
     assert list(one_pass) == list(staged)
+    if not chunked:
+        for name in staged:
+            assert torch.equal(one_pass[name].qweight, staged[name].qweight), name
+            assert torch.equal(one_pass[name].scales, staged[name].scales), name
+            assert torch.equal(one_pass[name].zeros, staged[name].zeros), name
+        with torch.no_grad():
+            assert torch.equal(one_pass_model(ids).logits, staged_model(ids).logits)
+        return
+    assert chunk_rows == [5] * 9 + [3] + [5] * 9 + [3], chunk_rows  # two layers, 48 tokens each
+    # the chunks change only float rounding: layer 0 (whole-input Hessians, same weights) comes out
+    # identical; layer 1 sees layer 0's output rounded differently (GEMMs of 5 vs 48 rows)
     for name in staged:
-        assert torch.equal(one_pass[name].qweight, staged[name].qweight), name
-        assert torch.equal(one_pass[name].scales, staged[name].scales), name
-        assert torch.equal(one_pass[name].zeros, staged[name].zeros), name
+        qa, qb = one_pass[name], staged[name]
+        if ".layers.0." in name:
+            assert torch.equal(qa.qweight, qb.qweight) and torch.equal(qa.scales, qb.scales), name
+        else:
+            torch.testing.assert_close(qa.scales, qb.scales, rtol=2e-3, atol=0)  # measured: <= 1e-3
+            assert (qa.qweight != qb.qweight).float().mean() < 0.01, name  # measured: 0
     with torch.no_grad():
-        assert torch.equal(one_pass_model(ids).logits, staged_model(ids).logits)
+        # measured: max |difference| 1.2e-5 on logits up to 0.57
+        torch.testing.assert_close(one_pass_model(ids).logits, staged_model(ids).logits, rtol=0, atol=1e-4)
 
 
 def test_one_pass_driver_refuses_stages_whose_linears_do_not_share_an_input():

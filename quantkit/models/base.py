@@ -61,6 +61,20 @@ class InputGroup:
                 raise ValueError(f"InputGroup.prev_rows must be a non-empty range, got {self.prev_rows}")
 
 
+@dataclass(frozen=True)
+class GatedMLP:
+    """Where a decoder layer's MLP computing ``down(act(gate(x)) * up(x))`` token by token lives
+    (names relative to the layer). Knowing it lets the one-pass GPTQ driver run the MLP in token
+    chunks, so its widest activations (gate, up, their product) never exist for the whole
+    calibration set at once."""
+
+    module: str
+    gate: str
+    up: str
+    down: str
+    act: str
+
+
 def resolve(root: nn.Module, path: str) -> nn.Module:
     """``root.get_submodule(path)``, but a missing module is a one-line QuantkitError.
 
@@ -150,6 +164,10 @@ class ArchitectureAdapter:
     def sequential_stages(self, layer: nn.Module) -> list[list[str]]:
         """Linears grouped by true-sequential order: each stage sees the previous stages quantized."""
         raise NotImplementedError
+
+    def gated_mlp(self, layer: nn.Module) -> GatedMLP | None:
+        """The layer's gated MLP, if it has one of that exact form (None: run the module as it is)."""
+        return None
 
     def input_groups(self, layer: nn.Module, config=None) -> list[InputGroup]:
         """Groups of linears sharing an input, with where to fold a per-channel scale.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from quantkit.models.base import LINEAR, NORM, ArchitectureAdapter, InputGroup, resolve
+from quantkit.models.base import LINEAR, NORM, ArchitectureAdapter, GatedMLP, InputGroup, resolve
 
 Q, K, V, O = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"
 GATE, UP, DOWN = "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"
@@ -36,6 +36,10 @@ class LlamaAdapter(ArchitectureAdapter):
 
     def sequential_stages(self, layer: nn.Module) -> list[list[str]]:
         return [[Q, K, V], [O], [GATE, UP], [DOWN]]
+
+    def gated_mlp(self, layer: nn.Module) -> GatedMLP:
+        # LlamaMLP, MistralMLP, Qwen2MLP and Qwen3MLP: down_proj(act_fn(gate_proj(x)) * up_proj(x))
+        return GatedMLP(module="mlp", gate=GATE, up=UP, down=DOWN, act="mlp.act_fn")
 
     def input_groups(self, layer: nn.Module, config=None) -> list[InputGroup]:
         groups = [InputGroup("input_layernorm", (Q, K, V), inspect="self_attn", kind=NORM)]

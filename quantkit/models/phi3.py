@@ -28,6 +28,9 @@ class Phi3Adapter(LlamaAdapter):
     def sequential_stages(self, layer: nn.Module) -> list[list[str]]:
         return [[QKV], [O], [GATE_UP], [DOWN]]
 
+    def gated_mlp(self, layer: nn.Module) -> None:
+        return None  # gate and up are one fused linear: no separate gate/up modules to chunk
+
     def input_groups(self, layer: nn.Module, config=None) -> list[InputGroup]:
         qkv, o = resolve(layer, QKV), resolve(layer, O)
         gate_up, down = resolve(layer, GATE_UP), resolve(layer, DOWN)

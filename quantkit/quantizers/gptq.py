@@ -7,7 +7,7 @@ re-running the layer between stages).
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -17,21 +17,6 @@ from quantkit.quantizers.base import LayerContext, Quantizer, register_quantizer
 from quantkit.quantizers.gptq_core import HessianAccumulator, act_order_kind, gptq_quantize
 from quantkit.quantizers.grid import rtn_quantize
 from quantkit.scheme import LinearScheme
-
-
-@contextmanager
-def _single_thread_on_cpu(device: torch.device):
-    """The column loop is thousands of tiny ops: on CPU, thread fan-out costs more than it saves
-    (and on a busy machine each op can stall for milliseconds), so solve on one thread."""
-    if device.type != "cpu":
-        yield
-        return
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 @register_quantizer
@@ -58,7 +43,15 @@ class GPTQQuantizer(Quantizer):
             raise QuantkitError(f"block_size must be positive, got {o['block_size']}")
         self._hessians: dict[str, HessianAccumulator] = {}
         self._last_input, self._last_acc = None, None
+        self._stage_mates: dict[str, list[str]] = {}
+        self._stacked: dict[str, tuple] = {}  # results solved along with an earlier linear of the stage
+        self._ctx: LayerContext | None = None
         self.layer_stats: dict[str, dict] = {}
+
+    def begin_layer(self, ctx: LayerContext) -> None:
+        super().begin_layer(ctx)
+        self._ctx = ctx
+        self._stage_mates = {n: [m for m in stage if m != n] for stage in self.stages(ctx) for n in stage}
 
     def stages(self, ctx: LayerContext) -> list[list[str]]:
         if self.options["true_sequential"]:
@@ -82,9 +75,10 @@ class GPTQQuantizer(Quantizer):
         self._last_input, self._last_acc = x, acc
 
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme):
+        if name in self._stacked:
+            qw, self.layer_stats[name] = self._stacked.pop(name)
+            return qw
         acc = self._hessians.pop(name, None)
-        # _last_input stays: when the driver quantizes in the forward, k and v arrive after q is done
-        # and must still share q's (complete) Hessian; a later pass brings new tensors, never a match
         if acc is not None and acc.n_samples == 0 and acc.n_dropped:
             # every calibration row reaching this linear held NaN/inf (one poisoned token spreads to the
             # whole sequence through attention): no Hessian to solve with, so round to nearest instead
@@ -94,26 +88,47 @@ class GPTQQuantizer(Quantizer):
             return rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias)
         if acc is None or acc.n_samples == 0:
             raise QuantkitError(f"GPTQ saw no calibration inputs for {name}; check the dataset")
+        # linears of this stage that share the Hessian and the scheme (q/k/v, gate/up) are solved as
+        # one matrix: GPTQ treats every output row on its own given H, so the rows come out as from
+        # separate solves, for one column loop instead of several (the loop is dispatch-bound)
+        mates = [m for m in self._stage_mates.get(name, ()) if self._hessians.get(m) is acc
+                 and self._ctx.schemes.get(m) == scheme]
+        linears = [(name, module)] + [(m, self._ctx.layer.get_submodule(m)) for m in mates]
+        for m in mates:
+            del self._hessians[m]
         o = self.options
-        with _single_thread_on_cpu(module.weight.device):
-            qw, stats = gptq_quantize(
-                module.weight.data, acc.hessian().to(module.weight.device), bits=scheme.bits, group_size=scheme.group_size,
-                sym=scheme.sym, block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
-                act_order=bool(o["desc_act"]), static_groups=bool(o["static_groups"]), mse=bool(o["mse"]), bias=module.bias,
-            )
-        self.layer_stats[name] = stats
+        weight = torch.cat([lin.weight.data for _, lin in linears]) if mates else module.weight.data
+        qw, stats = gptq_quantize(
+            weight, acc.hessian().to(module.weight.device), bits=scheme.bits, group_size=scheme.group_size,
+            sym=scheme.sym, block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
+            act_order=bool(o["desc_act"]), static_groups=bool(o["static_groups"]), mse=bool(o["mse"]),
+        )
+        row_loss = stats.pop("row_loss")
+        start = 0
+        for n, lin in linears:
+            rows = slice(start, start + lin.out_features)
+            start = rows.stop
+            part = replace(qw, qweight=qw.qweight[rows].clone(), scales=qw.scales[rows].clone(),
+                           zeros=qw.zeros[rows].clone(), bias=None if lin.bias is None else lin.bias.detach().clone())
+            part_stats = {**stats, "loss": float(row_loss[rows].sum())}
+            if mates:
+                part_stats["solved_with"] = [m for m, _ in linears if m != n]
+            self._stacked[n] = (part, part_stats)
+        qw, self.layer_stats[name] = self._stacked.pop(name)
         return qw
 
     def planned_spec(self, out_features: int, in_features: int, scheme: LinearScheme):
-        from dataclasses import replace
-
         order = act_order_kind(bool(self.options["desc_act"]), bool(self.options["static_groups"]), scheme.group_size)
         return replace(super().planned_spec(out_features, in_features, scheme), act_order=order)
 
     def end_layer(self, ctx: LayerContext) -> None:
         if self._hessians:
             warnings.warn(f"GPTQ: discarded unused Hessians for {sorted(self._hessians)}")
+        if self._stacked:
+            warnings.warn(f"GPTQ: discarded results never asked for: {sorted(self._stacked)}")
         self._hessians.clear()
+        self._stacked.clear()
+        self._ctx = None
         self._last_input, self._last_acc = None, None
 
     def format_extra(self) -> dict:

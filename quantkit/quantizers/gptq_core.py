@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -190,6 +191,22 @@ def act_order_kind(act_order: bool, static_groups: bool, group_size: int) -> str
     return "static" if static_groups or group_size == -1 else "dynamic"
 
 
+@contextmanager
+def _single_thread_on_cpu(device: torch.device):
+    """The column loop is thousands of tiny ops: on CPU, thread fan-out costs more than it saves
+    (and on a busy machine each op can stall for milliseconds), so the column loop runs on one
+    thread; the factorisations before it (O(K^3)) keep them all."""
+    if device.type != "cpu":
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _cholesky_inverse_upper(H: torch.Tensor):
     """Upper Cholesky factor of H^-1, or None when H (or H^-1) is not numerically PD."""
     L, info = torch.linalg.cholesky_ex(H)
@@ -320,52 +337,59 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
         )
     del H
 
-    codes = torch.empty(n, k, dtype=torch.float32, device=dev)
-    Qmat = torch.empty(n, k, dtype=torch.float32, device=dev) if return_dequant else None
+    # The column loop is dispatch-bound (a few hundred columns, a dozen tiny ops each), so it works
+    # on transposed copies where a column is a contiguous row, writes every result in place
+    # (`out=`) instead of allocating and copying, and divides by a Python float.
+    WT = W.t().contiguous()  # [k, n]
+    del W
+    codesT = torch.empty(k, n, dtype=torch.float32, device=dev)
+    QT = torch.empty(k, n, dtype=torch.float32, device=dev) if return_dequant else None
+    q = torch.empty(n, dtype=torch.float32, device=dev)
     dyn_scales, dyn_zeros = [], []
-    loss_acc = torch.zeros((), dtype=torch.float32, device=dev)
+    row_loss = torch.zeros(n, dtype=torch.float32, device=dev)
     scale_c = zero_c = None
     if group_size == -1:
-        scale_c, zero_c = static_scale, static_zero
+        scale_c, zero_c = static_scale[:, 0], static_zero[:, 0]
+    hinv_diag = torch.diagonal(Hinv).tolist()
 
-    for i1 in range(0, k, block_size):
-        i2 = min(i1 + block_size, k)
-        count = i2 - i1
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.empty(n, count, dtype=torch.float32, device=dev)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        dvals = torch.diagonal(Hinv1)
-        for i in range(count):
-            col = i1 + i
-            if group_size != -1:
-                if col_group is not None:
-                    g = col_group[col]
-                    scale_c, zero_c = static_scale[:, g:g + 1], static_zero[:, g:g + 1]
-                elif col % gs == 0:
-                    # group params from the fully updated weights of columns col .. col+gs
-                    xg = W1[:, i:i + gs]
-                    if col + gs > i2:  # tail past this block still lacks the block's pending update
-                        tail = W[:, i2:col + gs]
-                        if i:
-                            tail = tail - Err1[:, :i] @ Hinv[i1:col, i2:col + gs]
-                        xg = torch.cat([xg, tail], dim=1)
-                    s, z = find_qparams(xg, bits, sym, mse)
-                    dyn_scales.append(s)
-                    dyn_zeros.append(z)
-                    scale_c, zero_c = s.unsqueeze(1), z.unsqueeze(1)
-            w = W1[:, i:i + 1]
-            c = quantize_codes(w, scale_c, zero_c, bits)
-            codes[:, col:col + 1] = c
-            q = (c - zero_c) * scale_c
-            if Qmat is not None:
-                Qmat[:, col:col + 1] = q
-            err = (w - q) / dvals[i]
-            Err1[:, i:i + 1] = err
-            if i + 1 < count:
-                W1[:, i + 1:].addmm_(err, Hinv1[i:i + 1, i + 1:], alpha=-1.0)
-        loss_acc += Err1.square().sum()
-        if i2 < k:
-            W[:, i2:].addmm_(Err1, Hinv[i1:i2, i2:], alpha=-1.0)
+    with _single_thread_on_cpu(WT.device):
+        for i1 in range(0, k, block_size):
+            i2 = min(i1 + block_size, k)
+            count = i2 - i1
+            W1 = WT[i1:i2]  # a view: the block is updated in place
+            Err1 = torch.empty(count, n, dtype=torch.float32, device=dev)
+            Hinv1 = Hinv[i1:i2, i1:i2]
+            for i in range(count):
+                col = i1 + i
+                if group_size != -1:
+                    if col_group is not None:
+                        g = col_group[col]
+                        scale_c, zero_c = static_scale[:, g], static_zero[:, g]
+                    elif col % gs == 0:
+                        # group params from the fully updated weights of columns col .. col+gs
+                        xg = W1[i:i + gs]
+                        if col + gs > i2:  # tail past this block still lacks the block's pending update
+                            tail = WT[i2:col + gs]
+                            if i:
+                                tail = tail - Hinv[i1:col, i2:col + gs].t() @ Err1[:i]
+                            xg = torch.cat([xg, tail], dim=0)
+                        scale_c, zero_c = find_qparams(xg.t(), bits, sym, mse)
+                        dyn_scales.append(scale_c)
+                        dyn_zeros.append(zero_c)
+                w, c, err = W1[i], codesT[col], Err1[i]
+                # codes = clamp(round(w / scale) + zero, 0, maxq), as grid.quantize_codes
+                torch.div(w, scale_c, out=c).round_().add_(zero_c).clamp_(0, maxq)
+                torch.sub(c, zero_c, out=q).mul_(scale_c)
+                if QT is not None:
+                    QT[col] = q
+                torch.sub(w, q, out=err).div_(hinv_diag[col])
+                if i + 1 < count:
+                    W1[i + 1:].addr_(Hinv1[i, i + 1:], err, alpha=-1.0)
+            row_loss.add_(Err1.square().sum(dim=0))
+            if i2 < k:
+                WT[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1.0)
+    codes = codesT.t()
+    Qmat = QT.t() if QT is not None else None
 
     if group_size == -1 or static_groups:
         scales, zeros = static_scale, static_zero
@@ -396,7 +420,8 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
         act_order=order,
     )
     stats = {
-        "loss": float(loss_acc) / 2.0,
+        "loss": float(row_loss.sum()) / 2.0,
+        "row_loss": row_loss / 2.0,  # per output row: a stacked solve splits it between its linears
         "damp": used_pct * mean_diag,
         "damp_percent": used_pct,
         "dead": n_dead,
