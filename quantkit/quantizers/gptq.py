@@ -79,6 +79,8 @@ class GPTQQuantizer(Quantizer):
             qw, self.layer_stats[name] = self._stacked.pop(name)
             return qw
         acc = self._hessians.pop(name, None)
+        if acc is not None and acc is self._last_acc:  # its inputs are complete: let the tensor go
+            self._last_input = self._last_acc = None
         if acc is not None and acc.n_samples == 0 and acc.n_dropped:
             # every calibration row reaching this linear held NaN/inf (one poisoned token spreads to the
             # whole sequence through attention): no Hessian to solve with, so round to nearest instead
