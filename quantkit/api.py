@@ -104,8 +104,10 @@ def quantize(
         ProgressStore(staging_dir(Path(output))).check_leftover(resume)
     compute_device = torch.device(device or "cpu")
 
+    # held in its storage dtype (bf16 halves the resident model); each decoder layer is cast to fp32
+    # only while it is calibrated (exact), and capture_layer_inputs runs the embeddings in fp32
     hf_model, tokenizer, base_name, layer_source = load_source_model(
-        model, dtype=torch.float32, trust_remote_code=trust_remote_code, streaming=streaming)
+        model, dtype=None, trust_remote_code=trust_remote_code, streaming=streaming)
     save_dtype = parse_dtype(dtype) or source_dtype(hf_model.config)
     adapter = get_adapter(hf_model)
     shapes = linear_shapes(hf_model)

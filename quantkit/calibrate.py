@@ -6,7 +6,8 @@ device, runs the calibration batches with hooks that hand each target linear's i
 quantizer, quantizes stage by stage (later stages see earlier ones already quantized), runs the
 layer once more so the next layer sees the quantized layer's outputs, and moves it back.
 When the calibration set is one batch and the quantizer allows it (`quantize_in_forward`), all of
-that is a single forward pass: each linear is quantized from its own pre-hook.
+that is a single forward pass: each linear is quantized from its own pre-hook, and a gated MLP
+(the adapter's `gated_mlp`) runs in token chunks so its widest activations are never whole.
 Only one decoder layer lives on the compute device; activations stay on `activation_device`.
 """
 from __future__ import annotations
@@ -44,8 +45,14 @@ def _to(obj, device):
 
 
 @torch.no_grad()
-def capture_layer_inputs(model, adapter, input_ids: torch.Tensor, batch_size: int, device, activation_device) -> list:
-    """Run the model up to decoder layer 0 and record (hidden_states, kwargs) per batch."""
+def capture_layer_inputs(model, adapter, input_ids: torch.Tensor, batch_size: int, device, activation_device,
+                         compute_dtype: Optional[torch.dtype] = None) -> list:
+    """Run the model up to decoder layer 0 and record (hidden_states, kwargs) per batch.
+
+    With `compute_dtype`, the modules before layer 0 run with their parameters in it (the model may
+    be held in its bf16/fp16 storage dtype): the hidden states, masks and rotary tables then come out
+    exactly as from a model loaded in `compute_dtype`. Buffers are left alone (rotary `inv_freq`
+    stays fp32 in a bf16 model and must not be rounded on the way back)."""
     layers = adapter.decoder_layers(model)
     first = layers[0]
     captured = []
@@ -66,6 +73,9 @@ def capture_layer_inputs(model, adapter, input_ids: torch.Tensor, batch_size: in
     pre_modules = [m for _, m in adapter.embeddings(model)]
     for m in pre_modules:
         m.to(device)
+    stored = {p: p.dtype for m in pre_modules for p in m.parameters()} if compute_dtype is not None else {}
+    for p in stored:
+        p.data = p.data.to(compute_dtype)
     layers[0] = Catcher(first)
     try:
         for start in range(0, input_ids.shape[0], batch_size):
@@ -76,6 +86,8 @@ def capture_layer_inputs(model, adapter, input_ids: torch.Tensor, batch_size: in
                 pass
     finally:
         layers[0] = first
+        for p, dtype in stored.items():
+            p.data = p.data.to(dtype)
         for m in pre_modules:
             m.to(activation_device)
     return captured
@@ -144,7 +156,8 @@ def quantize_model(
         raise QuantkitError(f"method {quantizer.name!r} needs calibration data; pass --dataset")
     done = set(store.done_layers()) if store is not None else set()
 
-    inputs = capture_layer_inputs(model, adapter, input_ids, batch_size, device, activation_device) if needs_data else []
+    inputs = (capture_layer_inputs(model, adapter, input_ids, batch_size, device, activation_device, compute_dtype)
+              if needs_data else [])
     results: dict[str, QuantizedWeight] = {}
     finished: set[str] = set()
     bar = tqdm(range(len(layers)), desc=f"{quantizer.name}", unit="layer", disable=not progress)
@@ -184,9 +197,9 @@ def quantize_model(
             del outputs
         if i not in done:
             quantizer.end_layer(ctx)
-        layer.to(device="cpu", dtype=original_dtype) if str(device) != "cpu" else layer.to(dtype=original_dtype)
-        if store is not None and i not in done:
+        if store is not None and i not in done:  # saved before the layer returns to its storage dtype
             store.save_layer(LayerRecord(index=i, quantized=layer_results, other=_other_tensors(layer, layer_prefix, layer_results)))
+        layer.to(device="cpu", dtype=original_dtype) if str(device) != "cpu" else layer.to(dtype=original_dtype)
         finished.update(layer_results)
         if store is None:
             results.update(layer_results)

@@ -53,7 +53,7 @@ def source_dtype(config) -> torch.dtype:
 
 def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, trust_remote_code: bool = False,
                       streaming: Optional[bool] = False):
-    """Load (model, tokenizer, name_for_card, layer_source) in `dtype` on CPU; refuses quantized folders.
+    """Load (model, tokenizer, name_for_card, layer_source) in `dtype` (None: as stored) on CPU; refuses quantized folders.
 
     `layer_source` is None for a whole model in memory; with streaming (True, or None = decide from
     the model's size against available memory) the decoder layers stay on the meta device and the

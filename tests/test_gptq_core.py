@@ -600,3 +600,34 @@ def test_blocked_symmetric_gram_update_equals_the_full_product(k):
     expected = 0.5 * H0.double() + 0.25 * x.double().T @ x.double()
     torch.testing.assert_close(H.double(), expected, rtol=1e-5, atol=1e-4)
     assert torch.equal(H, H.T)
+
+
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16])
+def test_a_model_held_in_its_storage_dtype_calibrates_exactly_as_in_fp32(storage, tmp_path):
+    """`quantize` keeps the source model in its stored dtype and casts one decoder layer at a time to
+    fp32 (exact for bf16/fp16 values); the embeddings run in fp32 for the capture and the rotary
+    tables keep their fp32 buffers. Same GPTQ results as the same weights loaded in fp32, and the
+    model's parameters are back in the storage dtype afterwards."""
+    import transformers
+
+    from quantkit.api import linear_shapes
+    from quantkit.calibrate import quantize_model
+    from quantkit.models import get_adapter
+    from quantkit.scheme import QuantScheme
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    transformers.AutoModelForCausalLM.from_config(cfg).to(storage).save_pretrained(tmp_path)
+    held = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype="auto").eval()
+    wide = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert next(held.parameters()).dtype == storage
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(2))
+    schemes = QuantScheme(bits=4, group_size=32).resolve(linear_shapes(wide))
+    got = quantize_model(held, get_adapter(held), GPTQQuantizer(), schemes, ids, batch_size=4, progress=False)
+    want = quantize_model(wide, get_adapter(wide), GPTQQuantizer(), schemes, ids, batch_size=4, progress=False)
+    for name in want:
+        assert torch.equal(got[name].qweight, want[name].qweight), name
+        assert torch.equal(got[name].scales, want[name].scales), name
+    assert {p.dtype for p in held.parameters()} == {storage}
+    assert held.model.rotary_emb.inv_freq.dtype == torch.float32
