@@ -121,6 +121,34 @@ def runs_in_one_pass(quantizer: Quantizer) -> bool:
     return quantizer.needs_calibration and quantizer.needs_observe and quantizer.quantize_in_forward()
 
 
+def _to_compute(layer: nn.Module, device, dtype: torch.dtype) -> dict:
+    """Put the layer's tensors on `device`, floating ones in `dtype`, for its calibration; returns
+    the stored tensors, which `_write_back` fills in place afterwards. Writing into the tensors the
+    model already had, instead of `layer.to()` allocating new ones, keeps a model held in bf16 from
+    scattering freshly allocated long-lived weights over the heap layer after layer (RSS crept up
+    by ~300 MB over the demo's 30 layers)."""
+    stored = {}
+    for module in layer.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(module, kind).items():
+                if t is not None:
+                    stored[(module, kind, name)] = t.data
+                    t.data = t.data.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+    return stored
+
+
+def _write_back(layer: nn.Module, stored: dict) -> None:
+    """The calibrated layer's values (fake-quantized weights, folded scales) back into its own storage."""
+    with torch.no_grad():
+        for (module, kind, name), original in stored.items():
+            t = getattr(module, kind).get(name)
+            if t is None or t.shape != original.shape:  # replaced by the quantizer: keep what it put there
+                continue
+            if t.data is not original:
+                original.copy_(t.data)
+                t.data = original
+
+
 def _layer_output(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -166,8 +194,7 @@ def quantize_model(
         if layer_source is not None:
             layer_source.materialize(i)
         layer = layers[i]
-        original_dtype = next(layer.parameters()).dtype
-        layer.to(device=device, dtype=compute_dtype)
+        stored = _to_compute(layer, device, compute_dtype)
         layer_prefix = f"{prefix}.{i}."
 
         def run_layer(layer=layer):
@@ -199,7 +226,7 @@ def quantize_model(
             quantizer.end_layer(ctx)
         if store is not None and i not in done:  # saved before the layer returns to its storage dtype
             store.save_layer(LayerRecord(index=i, quantized=layer_results, other=_other_tensors(layer, layer_prefix, layer_results)))
-        layer.to(device="cpu", dtype=original_dtype) if str(device) != "cpu" else layer.to(dtype=original_dtype)
+        _write_back(layer, stored)
         finished.update(layer_results)
         if store is None:
             results.update(layer_results)
