@@ -386,6 +386,7 @@ def _run_in_token_chunks(layer: nn.Module, spec, state: _InForward) -> callable:
                 state.enter(name, flat)
                 state.quantize(name)
         rows = max(MLP_CHUNK_MIN_ROWS, MLP_CHUNK_BYTES // (gate.out_features * flat.element_size()))
+        trim_heap()  # the attention's freed temporaries go back before the products arrive
         products = []
         for start in range(0, flat.shape[0], rows):  # .forward: the chunks bypass the pre-hooks
             chunk = flat[start:start + rows]
@@ -399,6 +400,8 @@ def _run_in_token_chunks(layer: nn.Module, spec, state: _InForward) -> callable:
         for i, start in enumerate(range(0, flat.shape[0], rows)):
             out[start:start + rows] = down.forward(products[i])
             products[i] = None
+            if i % 4 == 3:
+                trim_heap()  # consumed product chunks go back while `out` is paged in
         return out.view(*x.shape[:-1], down.out_features)
 
     previous = mlp.__dict__.get("forward")  # an instance-level forward (accelerate's hooks) is put back
