@@ -60,8 +60,11 @@ def interrupt_after_layer(args: list, output: Path, layer: int, sig: int, timeou
     progress record of `layer`, then send `sig` to the real process and wait for it to end."""
     staging = output.parent / f".{output.name}.partial"
     record = staging / "layers" / f"layer-{layer:05d}.safetensors"
+    # a suite started in the background (`pytest &` from a script) inherits SIGINT as ignored, and
+    # Python then installs no KeyboardInterrupt handler: give the child the default disposition
     proc = subprocess.Popen(cli_cmd("quantize", *args, "--output", output), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + timeout
     try:
         while not record.exists():
