@@ -387,17 +387,21 @@ def _run_in_token_chunks(layer: nn.Module, spec, state: _InForward) -> callable:
                 state.quantize(name)
         rows = max(MLP_CHUNK_MIN_ROWS, MLP_CHUNK_BYTES // (gate.out_features * flat.element_size()))
         trim_heap()  # the attention's freed temporaries go back before the products arrive
+        starts = range(0, flat.shape[0], rows)
         products = []
-        for start in range(0, flat.shape[0], rows):  # .forward: the chunks bypass the pre-hooks
+        for start in starts:  # .forward: the chunks bypass the pre-hooks
             chunk = flat[start:start + rows]
             product = act(gate.forward(chunk)).mul_(up.forward(chunk))
-            if spec.down in state.modules:
-                state.observe_more(spec.down, product) if products else state.enter(spec.down, product)
+            if spec.down in state.modules:  # the first chunk opens down's stage, the rest add rows
+                if products:
+                    state.observe_more(spec.down, product)
+                else:
+                    state.enter(spec.down, product)
             products.append(product)
         if spec.down in state.modules:
             state.quantize(spec.down)
         out = flat.new_empty(flat.shape[0], down.out_features)
-        for i, start in enumerate(range(0, flat.shape[0], rows)):
+        for i, start in enumerate(starts):
             out[start:start + rows] = down.forward(products[i])
             products[i] = None
             if i % 4 == 3:

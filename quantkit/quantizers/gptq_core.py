@@ -377,8 +377,7 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
                         dyn_scales.append(scale_c)
                         dyn_zeros.append(zero_c)
                 w, c, err = W1[i], codesT[col], Err1[i]
-                # codes = clamp(round(w / scale) + zero, 0, maxq), as grid.quantize_codes
-                torch.div(w, scale_c, out=c).round_().add_(zero_c).clamp_(0, maxq)
+                quantize_codes(w, scale_c, zero_c, bits, out=c)
                 torch.sub(c, zero_c, out=q).mul_(scale_c)
                 if QT is not None:
                     QT[col] = q
