@@ -10,9 +10,16 @@ Cache layout (shared with ``quantkit.engine.kv_cache``)::
     context_lens     : [batch] int32, tokens of sequence b in the cache (the new token included)
 
 :func:`paged_attention_decode_reference` gathers each sequence's K/V by its block table and runs
-softmax attention in fp32 (the CPU path and the test oracle). :func:`paged_attention_decode` runs
-the Triton kernel on CUDA tensors (or on CPU tensors under ``TRITON_INTERPRET=1``) and falls back to
-the reference otherwise.
+softmax attention in fp32 (the test oracle). :func:`paged_attention_decode` runs the Triton kernel on
+CUDA tensors (or on CPU tensors under ``TRITON_INTERPRET=1``) and falls back to the reference
+otherwise.
+
+:func:`decode_slots` + :func:`paged_attention_decode_gathered` are the engine's CPU path: a batch-1
+decode step on a small model is dispatch-bound (a few µs per PyTorch op, ~60 ops per layer in the
+reference), so the per-step work (slot of every cached token, the padding mask) is done once per
+step by :func:`decode_slots` and shared by all layers, and each layer's attention is then a handful
+of ops (two gathers, two matmuls, a softmax) in the model dtype with an fp32 softmax, as
+transformers' eager attention computes it.
 
 Kernel: one program per (sequence, KV head). It loads the ``GROUP`` query heads that share the KV
 head (GQA) once, walks the sequence's blocks, loads each K/V block once for the whole group,
@@ -39,8 +46,8 @@ except ImportError:  # pragma: no cover
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
-__all__ = ["paged_attention_decode", "paged_attention_decode_reference", "gather_kv", "index_blocks",
-           "triton_decode_available"]
+__all__ = ["paged_attention_decode", "paged_attention_decode_reference", "paged_attention_decode_gathered",
+           "decode_slots", "gather_kv", "index_blocks", "triton_decode_available"]
 
 
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
@@ -94,6 +101,62 @@ def paged_attention_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
     p = torch.softmax(scores, dim=-1)
     out = torch.einsum("bkgt,btkd->bkgd", p, v)
     return out.reshape(B, H, D).to(q.dtype)
+
+
+def decode_slots(block_tables: list[list[int]], context_lens: list[int], block_size: int,
+                 device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Per decode step, for all layers: (slots [B * T] long, the cache slot of each sequence's every
+    token, row by row, padding pointing at slot 0; mask [B, 1, 1, T] additive fp32, -inf past a
+    sequence's length, or None when all sequences have the same length T)."""
+    T = max(context_lens)
+    flat: list[int] = []
+    for table, n in zip(block_tables, context_lens):
+        flat.extend(table[p // block_size] * block_size + p % block_size for p in range(n))
+        flat.extend([0] * (T - n))
+    slots = torch.tensor(flat, dtype=torch.long, device=device)
+    if min(context_lens) == T:
+        return slots, None
+    lens = torch.tensor(context_lens, device=device)
+    pad = torch.arange(T, device=device)[None, :] >= lens[:, None]
+    mask = torch.zeros(pad.shape, dtype=torch.float32, device=device).masked_fill_(pad, float("-inf"))
+    return slots, mask[:, None, None, :]
+
+
+def paged_attention_decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                    slots: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                                    k_scale: Optional[torch.Tensor] = None,
+                                    v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q [B, H, D] -> out [B, H, D], over the tokens ``slots`` [B * T] (from :func:`decode_slots`).
+
+    Scores and the weighted sum run in q's dtype (fp32 accumulation inside the matmuls), the softmax
+    in fp32: transformers' eager attention. Quantized caches are dequantized after the gather.
+    ``index_select`` rather than advanced indexing, and 3-D ``bmm`` for one sequence: each is a
+    few µs cheaper, which is what a decode step of a small model is made of."""
+    B, H, D = q.shape
+    kvh = k_cache.shape[2]
+    T = slots.numel() // B
+
+    def dense(cache, sc):
+        flat = cache.view(-1, kvh, D)
+        x = (flat.view(torch.uint8).index_select(0, slots).view(cache.dtype) if cache.dtype in _FP8
+             else flat.index_select(0, slots))  # [B * T, kvh, D]
+        if sc is not None:
+            x = (x.float() * sc.view(-1, kvh).index_select(0, slots).unsqueeze(-1)).to(q.dtype)
+        elif x.dtype != q.dtype:
+            x = x.to(q.dtype)
+        return x.view(B, T, kvh, D)
+
+    k, v = dense(k_cache, k_scale), dense(v_cache, v_scale)
+    G = H // kvh
+    if B == 1 and mask is None:  # [kvh, G, D] @ [kvh, D, T]
+        scores = torch.bmm(q.view(kvh, G, D), k[0].permute(1, 2, 0)) * scale
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(p, v[0].transpose(0, 1)).view(1, H, D)
+    scores = torch.matmul(q.view(B, kvh, G, D), k.permute(0, 2, 3, 1)) * scale  # [B, kvh, G, T]
+    if mask is not None:
+        scores = scores + mask
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v.transpose(1, 2)).view(B, H, D)
 
 
 if HAS_TRITON:

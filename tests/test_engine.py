@@ -272,6 +272,16 @@ def test_rotary_matches_transformers(rope):
     cos, sin = LlamaRotaryEmbedding(cfg)(torch.zeros(1, 300, 16), pos[None])
     c2, s2 = RotaryEmbedding.from_config(cfg).cos_sin(pos, torch.float32)
     assert torch.equal(cos[0], c2) and torch.equal(sin[0], s2)
+    # the engine's four-op rotation (roll by D/2, half-negated sin) equals transformers' formula bit for bit
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k = torch.randn(2, 300, 4, 16).to(dtype).unbind(0)
+        c, s = c2.to(dtype), s2.to(dtype)
+        want_q, want_k = apply_rotary_pos_emb(q, k, c, s, unsqueeze_dim=1)  # q, k [N, heads, D]
+        signed = RotaryEmbedding.signed_sin(s)[:, None, :]
+        assert torch.equal(RotaryEmbedding.rotate(q, c[:, None, :], signed), want_q)
+        assert torch.equal(RotaryEmbedding.rotate(k, c[:, None, :], signed), want_k)
 
 
 def test_rope_parameters_legacy_config():
@@ -350,6 +360,30 @@ def test_paged_decode_triton_vs_reference(dtype):
         out = pa.paged_attention_decode(*(t.to(dev) for t in (q, k, v, tables, lens_t)), scale, use_triton=True)
         assert out.dtype == dtype
         torch.testing.assert_close(out.cpu().float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kv", ["model", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_gathered_cpu_path_vs_loop(dtype, kv):
+    """The engine's CPU decode attention (slots gathered once per step, eager softmax attention)
+    against the per-head loop, for one sequence (its bmm branch) and a batch of unequal lengths
+    (its masked branch), on scattered blocks, with model-dtype and quantized caches."""
+    for group, head_dim, block_size, lens in [(3, 16, 4, (7, 1, 12, 4)), (3, 16, 4, (10,)), (1, 8, 8, (16, 9)),
+                                              (4, 32, 2, (3, 5))]:
+        q, k, v, tables, lens_t = _paged_case(dtype, group=group, head_dim=head_dim, block_size=block_size, lens=lens)
+        ks = vs = None
+        if kv != "model":
+            kv_dtype = torch.int8 if kv == "int8" else torch.float8_e4m3fn
+            (k, ks), (v, vs) = quantize_kv(k, kv_dtype), quantize_kv(v, kv_dtype)
+        scale = head_dim ** -0.5
+        slots, mask = pa.decode_slots([t[t >= 0].tolist() for t in tables], lens_t.tolist(), block_size, q.device)
+        assert (mask is None) == (len(set(lens)) == 1)
+        out = pa.paged_attention_decode_gathered(q, k, v, slots, mask, scale, ks, vs)
+        want = _loop_attention(q, k, v, tables, lens_t, scale, ks, vs)
+        assert out.dtype == dtype and out.shape == q.shape
+        # bf16: q.k and p.v rounded to bf16 as transformers' eager attention does (~3 significant digits)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])

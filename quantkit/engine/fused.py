@@ -69,8 +69,12 @@ class FusedProjection(nn.Module):
         bias = None if stacked.bias is None else stacked.bias.to(device)
         return cls(impl, [m.out_features for m in modules], bias)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def joint(self, x: torch.Tensor) -> torch.Tensor:
+        """The outputs side by side, [..., sum(sizes)] (one tensor, so later ops can treat q and k together)."""
         y = self.impl(x)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.split(self.sizes, dim=-1)
+        return y
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.joint(x).split(self.sizes, dim=-1)

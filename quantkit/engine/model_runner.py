@@ -13,7 +13,13 @@ once per layer for the whole batch.
   its blocks (the cached prefix plus the new tokens, written first) with the causal mask offset by
   the prefix length.
 * Decode: one token per sequence, paged attention over its block table: the Triton kernel on
-  GPU, the PyTorch reference (gather by block table, masked softmax) on CPU.
+  GPU; on CPU a gather of every sequence's cached tokens (their slots computed once per step for
+  all layers) and eager softmax attention.
+
+A batch-1 CPU decode step of a small model is bound by per-op dispatch, not arithmetic, so the
+layer loop keeps its op count low where that costs no exactness: norms' epsilons are read once,
+q and k of a fused q/k/v projection are rotated as one tensor, attention's per-step set-up is
+shared by all layers.
 """
 from __future__ import annotations
 
@@ -72,9 +78,11 @@ class AttentionMetadata:
     query_lens: Optional[list[int]] = None
     context_lens: Optional[list[int]] = None  # tokens attended to (cached prefix + new)
     block_tables: Optional[list[torch.Tensor]] = None
-    # decode
+    # decode: the Triton kernel reads block tables, the CPU path the gathered slots
     block_tables_t: Optional[torch.Tensor] = None  # [B, max_blocks] int32
     context_lens_t: Optional[torch.Tensor] = None  # [B] int32
+    decode_slots: Optional[torch.Tensor] = None  # [B, T] long
+    decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, T] additive, None when all lengths agree
 
 
 class ModelRunner:
@@ -114,6 +122,9 @@ class ModelRunner:
         if fuse_projections is None:
             fuse_projections = self.device.type == "cpu"
         self.fused = [self._fuse(layer) if fuse_projections else (None, None) for layer in self.layers]
+        self.norm_eps = [(_norm_eps(layer.input_layernorm, self.eps), _norm_eps(layer.post_attention_layernorm, self.eps))
+                         for layer in self.layers]
+        self.final_eps = _norm_eps(self.final_norm, self.eps)
         self.rotary = RotaryEmbedding.from_config(cfg, self.device)
         uses_window = getattr(cfg, "use_sliding_window", cfg.model_type == "mistral")
         self.sliding_window = getattr(cfg, "sliding_window", None) if uses_window else None  # not implemented:
@@ -144,9 +155,12 @@ class ModelRunner:
         self.kv_cache = KVCache(self.num_layers, self.num_blocks, block_size, self.num_kv_heads, self.head_dim,
                                 self.dtype, kv_cache_dtype, self.device)
 
-        from quantkit.kernels.paged_attention import paged_attention_decode, triton_decode_available
+        from quantkit.kernels.paged_attention import (decode_slots, paged_attention_decode,
+                                                      paged_attention_decode_gathered, triton_decode_available)
 
         self._decode_attention = paged_attention_decode
+        self._gathered_attention = paged_attention_decode_gathered
+        self._decode_slots = decode_slots
         if attention_backend not in ("auto", "torch", "triton"):
             raise QuantkitError(f"attention_backend must be auto, torch or triton, got {attention_backend!r}")
         if attention_backend == "auto":
@@ -195,12 +209,16 @@ class ModelRunner:
         input_ids = [seq.last_token for seq in seqs]
         positions = [len(seq) - 1 for seq in seqs]
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
         dev = self.device
-        meta = AttentionMetadata(False, torch.tensor(slots, dtype=torch.long, device=dev),
-                                 block_tables_t=torch.tensor(tables, dtype=torch.int32, device=dev),
-                                 context_lens_t=torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=dev))
+        meta = AttentionMetadata(False, torch.tensor(slots, dtype=torch.long, device=dev))
+        if self.use_triton:
+            width = max(len(seq.block_table) for seq in seqs)
+            tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
+            meta.block_tables_t = torch.tensor(tables, dtype=torch.int32, device=dev)
+            meta.context_lens_t = torch.tensor([len(s) for s in seqs], dtype=torch.int32, device=dev)
+        else:
+            meta.decode_slots, meta.decode_mask = self._decode_slots([seq.block_table for seq in seqs],
+                                                                     [len(s) for s in seqs], bs, dev)
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta)
 
@@ -209,6 +227,8 @@ class ModelRunner:
         """q [N, H, D], k/v [N, KVH, D] (already written to the cache) -> [N, H, D]."""
         kc, vc, ks, vs = self.kv_cache.layer(i)
         if not meta.is_prefill:
+            if meta.decode_slots is not None:
+                return self._gathered_attention(q, kc, vc, meta.decode_slots, meta.decode_mask, self.scale, ks, vs)
             return self._decode_attention(q, kc, vc, meta.block_tables_t, meta.context_lens_t, self.scale, ks, vs,
                                           use_triton=self.use_triton)
         out = torch.empty_like(q)
@@ -234,31 +254,40 @@ class ModelRunner:
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         x = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin_signed = cos[:, None, :], RotaryEmbedding.signed_sin(sin)[:, None, :]
+        rotate = RotaryEmbedding.rotate
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             fused_qkv, fused_gate_up = self.fused[i]
+            eps_in, eps_post = self.norm_eps[i]
+            qk_norm = getattr(attn, "q_norm", None) is not None  # Qwen3: RMSNorm over head_dim before rope
             residual = x
-            h = rms_norm(x, layer.input_layernorm.weight, _norm_eps(layer.input_layernorm, self.eps))
-            if fused_qkv is not None:
-                q, k, v = fused_qkv(h)
+            h = rms_norm(x, layer.input_layernorm.weight, eps_in)
+            if fused_qkv is not None and not qk_norm:
+                qkv = fused_qkv.joint(h).view(N, H + 2 * KVH, D)
+                qk = rotate(qkv[:, :H + KVH], cos, sin_signed)
+                q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KVH:]
             else:
-                q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-            q, k, v = q.view(N, H, D), k.view(N, KVH, D), v.view(N, KVH, D)
-            if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm over head_dim before rope
-                q = rms_norm(q, attn.q_norm.weight, _norm_eps(attn.q_norm, self.eps))
-                k = rms_norm(k, attn.k_norm.weight, _norm_eps(attn.k_norm, self.eps))
-            q, k = self.rotary.apply(q, k, cos, sin)
+                if fused_qkv is not None:
+                    q, k, v = fused_qkv(h)
+                else:
+                    q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+                q, k, v = q.view(N, H, D), k.view(N, KVH, D), v.view(N, KVH, D)
+                if qk_norm:
+                    q = rms_norm(q, attn.q_norm.weight, _norm_eps(attn.q_norm, self.eps))
+                    k = rms_norm(k, attn.k_norm.weight, _norm_eps(attn.k_norm, self.eps))
+                q, k = rotate(q, cos, sin_signed), rotate(k, cos, sin_signed)
             self.kv_cache.store(i, k, v, meta.slot_mapping, meta.has_skipped_slots)
             o = self.attention(i, q, k, v, meta)
             x = residual + attn.o_proj(o.reshape(N, H * D))
             residual = x
-            h = rms_norm(x, layer.post_attention_layernorm.weight, _norm_eps(layer.post_attention_layernorm, self.eps))
+            h = rms_norm(x, layer.post_attention_layernorm.weight, eps_post)
             if fused_gate_up is not None:
                 gate, up = fused_gate_up(h)
                 x = residual + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
             else:
                 x = residual + layer.mlp(h)
-        return rms_norm(x, self.final_norm.weight, _norm_eps(self.final_norm, self.eps))
+        return rms_norm(x, self.final_norm.weight, self.final_eps)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:

@@ -105,5 +105,18 @@ class RotaryEmbedding:
         cos, sin = cos[:, None, :], sin[:, None, :]
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
+    @staticmethod
+    def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+        """``sin`` with its first half negated, for :meth:`rotate`."""
+        half = sin.shape[-1] // 2
+        return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """``x * cos + rotate_half(x) * sin`` in four ops, bit for bit: ``rotate_half(x) * sin`` is
+        ``cat(-x2 * s, x1 * s)`` = ``roll(x, D/2) * cat(-s, s)`` (a sign flip is exact). The engine
+        rotates q and k of a fused projection as one tensor [N, H + KVH, D]; cos/sin_signed [N, 1, D]."""
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.apply(q, k, *self.cos_sin(positions, q.dtype))
