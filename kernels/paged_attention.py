@@ -18,8 +18,7 @@ otherwise.
 decode step on a small model is dispatch-bound (a few µs per PyTorch op, ~60 ops per layer in the
 reference), so the per-step work (slot of every cached token, the padding mask) is done once per
 step by :func:`decode_slots` and shared by all layers, and each layer's attention is then a handful
-of ops (two gathers, two matmuls, a softmax) in the model dtype with an fp32 softmax, as
-transformers' eager attention computes it.
+of ops (two gathers, two matmuls, a softmax, in fp32).
 
 Kernel: one program per (sequence, KV head). It loads the ``GROUP`` query heads that share the KV
 head (GQA) once, walks the sequence's blocks, loads each K/V block once for the whole group,
@@ -126,12 +125,14 @@ def paged_attention_decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_ca
                                     slots: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
                                     k_scale: Optional[torch.Tensor] = None,
                                     v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """q [B, H, D] -> out [B, H, D], over the tokens ``slots`` [B * T] (from :func:`decode_slots`).
+    """q [B, H, D] -> out [B, H, D] in q's dtype, over the tokens ``slots`` [B * T] (from
+    :func:`decode_slots`).
 
-    Scores and the weighted sum run in q's dtype (fp32 accumulation inside the matmuls), the softmax
-    in fp32: transformers' eager attention. Quantized caches are dequantized after the gather.
-    ``index_select`` rather than advanced indexing, and 3-D ``bmm`` for one sequence: each is a
-    few µs cheaper, which is what a decode step of a small model is made of."""
+    Computed in fp32 whatever the cache dtype (as the reference and the Triton kernel do): on CPU a
+    bf16 ``bmm`` costs several times an fp32 one at these sizes, more than the casts. Quantized
+    caches are dequantized after the gather. ``index_select`` rather than advanced indexing, and 3-D
+    ``bmm`` for one sequence: each is a few µs cheaper, which is what a decode step of a small model
+    is made of."""
     B, H, D = q.shape
     kvh = k_cache.shape[2]
     T = slots.numel() // B
@@ -139,24 +140,21 @@ def paged_attention_decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_ca
     def dense(cache, sc):
         flat = cache.view(-1, kvh, D)
         x = (flat.view(torch.uint8).index_select(0, slots).view(cache.dtype) if cache.dtype in _FP8
-             else flat.index_select(0, slots))  # [B * T, kvh, D]
+             else flat.index_select(0, slots)).float()  # [B * T, kvh, D]
         if sc is not None:
-            x = (x.float() * sc.view(-1, kvh).index_select(0, slots).unsqueeze(-1)).to(q.dtype)
-        elif x.dtype != q.dtype:
-            x = x.to(q.dtype)
+            x = x * sc.view(-1, kvh).index_select(0, slots).unsqueeze(-1)
         return x.view(B, T, kvh, D)
 
     k, v = dense(k_cache, k_scale), dense(v_cache, v_scale)
+    qf = q.float()
     G = H // kvh
     if B == 1 and mask is None:  # [kvh, G, D] @ [kvh, D, T]
-        scores = torch.bmm(q.view(kvh, G, D), k[0].permute(1, 2, 0)) * scale
-        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.bmm(p, v[0].transpose(0, 1)).view(1, H, D)
-    scores = torch.matmul(q.view(B, kvh, G, D), k.permute(0, 2, 3, 1)) * scale  # [B, kvh, G, T]
+        scores = torch.bmm(qf.view(kvh, G, D), k[0].permute(1, 2, 0)).mul_(scale)
+        return torch.bmm(torch.softmax(scores, dim=-1), v[0].transpose(0, 1)).view(1, H, D).to(q.dtype)
+    scores = torch.matmul(qf.view(B, kvh, G, D), k.permute(0, 2, 3, 1)).mul_(scale)  # [B, kvh, G, T]
     if mask is not None:
         scores = scores + mask
-    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(p, v.transpose(1, 2)).view(B, H, D)
+    return torch.matmul(torch.softmax(scores, dim=-1), v.transpose(1, 2)).reshape(B, H, D).to(q.dtype)
 
 
 if HAS_TRITON:
