@@ -285,6 +285,8 @@ def _quantize_layer_in_one_pass(ctx: LayerContext, quantizer: Quantizer, device,
     handles = [m.register_forward_pre_hook(state.pre_hook(n)) for n, m in state.modules.items()]
     mlp = ctx.adapter.gated_mlp(ctx.layer)
     restore_mlp = _run_in_token_chunks(ctx.layer, mlp, state) if mlp else None
+    attention = ctx.adapter.attention(ctx.layer)
+    restore_attention = _run_attention_in_sequence_chunks(ctx.layer, attention, state) if attention else None
     (hidden, kwargs), = ctx.inputs
     home = hidden.device
     # the layer's input goes from the list (its output will replace it) and is passed by `.forward`,
@@ -300,6 +302,8 @@ def _quantize_layer_in_one_pass(ctx: LayerContext, quantizer: Quantizer, device,
             h.remove()
         if restore_mlp:
             restore_mlp()
+        if restore_attention:
+            restore_attention()
     missing = [n for n in state.stage_of if n not in state.results]
     if missing:
         state.fail(f"{missing[0]} never ran in the forward")
@@ -424,6 +428,105 @@ def _run_in_token_chunks(layer: nn.Module, spec, state: _InForward) -> callable:
             mlp.forward = previous
 
     return restore
+
+
+# hidden-state bytes of one chunk of sequences when the one-pass driver runs a decoder layer's
+# attention a few sequences at a time (~7 of the demo's 512-token sequences): each temporary stays
+# below glibc's mmap threshold, so it is reused from the heap instead of being page-faulted in
+# afresh (the whole-batch attention's dozen 75 MB temporaries cost ~1.4 s of page faults per layer)
+ATTN_CHUNK_BYTES = 8 << 20
+# arguments of transformers' attention forward whose first dimension is the batch
+_BATCHED_ATTENTION_ARGS = ("attention_mask", "position_embeddings", "position_ids")
+
+
+def _run_attention_in_sequence_chunks(layer: nn.Module, spec, state: _InForward) -> callable:
+    """Make the layer's self-attention run a few sequences at a time for one forward; returns the undo.
+
+    The input projections still observe the whole input and are quantized before any chunk runs;
+    each chunk then runs transformers' own attention forward with the projections' hooks set aside
+    and the output projection capturing its input rows; once all sequences have attended, the
+    output projection observes the whole attention output, is quantized, and runs. A call this
+    does not understand (a KV cache, an unexpected batch-shaped argument) runs whole."""
+    attn = layer.get_submodule(spec.module)
+    output = layer.get_submodule(spec.output)
+    hooked = [layer.get_submodule(n) for n in (*spec.inputs, spec.output) if n in state.modules]
+    original = attn.forward
+
+    def forward(hidden_states: torch.Tensor, *args, **kwargs):
+        batch = hidden_states.shape[0]
+        splittable = (not args and hidden_states.dim() == 3 and kwargs.get("cache") is None
+                      and kwargs.get("past_key_values") is None
+                      and not any(k not in _BATCHED_ATTENTION_ARGS and _has_batch_dim(v, batch)
+                                  for k, v in kwargs.items()))
+        seqs = max(1, ATTN_CHUNK_BYTES // max(1, hidden_states[0].numel() * hidden_states.element_size()))
+        if not splittable or seqs >= batch:
+            return original(hidden_states, *args, **kwargs)
+        for name in spec.inputs:
+            if name in state.modules:
+                state.enter(name, hidden_states)
+                state.quantize(name)
+        attended: Optional[torch.Tensor] = None  # the output projection's whole input, filled chunk by chunk
+        filled = 0
+
+        def capture(x: torch.Tensor) -> torch.Tensor:
+            nonlocal attended, filled
+            if attended is None:
+                attended = x.new_empty(batch, *x.shape[1:])
+            attended[filled:filled + x.shape[0]] = x
+            filled += x.shape[0]
+            return x.new_empty(0)  # the attention forward returns it unread
+
+        saved_hooks = [dict(m._forward_pre_hooks) for m in hooked]
+        for m in hooked:
+            m._forward_pre_hooks.clear()
+        previous_output_forward = output.__dict__.get("forward")
+        output.forward = capture
+        try:
+            for start in range(0, batch, seqs):
+                part = slice(start, start + seqs)
+                result = original(hidden_states[part], **{k: _batch_slice(v, part, batch)
+                                                          if k in _BATCHED_ATTENTION_ARGS else v
+                                                          for k, v in kwargs.items()})
+        finally:
+            if previous_output_forward is None:
+                del output.forward
+            else:
+                output.forward = previous_output_forward
+            for m, hooks in zip(hooked, saved_hooks):
+                m._forward_pre_hooks.update(hooks)
+        if filled != batch:
+            state.fail(f"{spec.output} did not run on every sequence of the attention")
+        if spec.output in state.modules:
+            state.enter(spec.output, attended)
+            state.quantize(spec.output)
+        out = output.forward(attended)
+        # the rest of the forward's result (attention weights: None under SDPA) is per chunk: not returned
+        return (out, *(None for _ in result[1:])) if isinstance(result, tuple) else out
+
+    previous = attn.__dict__.get("forward")
+    attn.forward = forward
+
+    def restore():
+        if previous is None:
+            del attn.forward
+        else:
+            attn.forward = previous
+
+    return restore
+
+
+def _has_batch_dim(value, batch: int) -> bool:
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return any(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch for v in values)
+
+
+def _batch_slice(value, part: slice, batch: int):
+    """``value[part]`` for a tensor (or tuple of tensors) with the batch first; broadcast ones (1) as they are."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_batch_slice(v, part, batch) for v in value)
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+        return value[part]
+    return value
 
 
 def _stacked_linear(a: nn.Module, b: nn.Module) -> Optional[callable]:

@@ -432,28 +432,39 @@ def _tiny_model(model_type: str, layers: int = 2):
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
+@pytest.mark.parametrize("attention_chunks", [False, True], ids=["whole", "attention-per-sequence"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "opt", "phi3"])
-def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type):
+def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type, attention_chunks, monkeypatch):
     """With one calibration batch GPTQ quantizes each linear from its forward pre-hook: one pass per
     layer instead of one per stage plus one. It must be the same true-sequential computation: the
     same integers, scales and next-layer inputs as the stage-by-stage driver on the same batch
-    (48 tokens: the gated MLP runs as a single chunk)."""
+    (48 tokens: the gated MLP runs as a single chunk). With `attention_chunks` the attention of
+    the Llama family and Phi-3 runs one sequence at a time (OPT's has no adapter hook: whole)."""
     import copy
     import re
 
+    from quantkit import calibrate
     from quantkit.api import linear_shapes
     from quantkit.calibrate import quantize_model
     from quantkit.models import get_adapter
     from quantkit.scheme import QuantScheme
 
+    if attention_chunks:
+        monkeypatch.setattr(calibrate, "ATTN_CHUNK_BYTES", 1)
     observed = []
     model = _tiny_model(model_type)
     ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
     schemes = QuantScheme(bits=4, group_size=32).resolve(linear_shapes(model))
     staged_model, one_pass_model = copy.deepcopy(model), copy.deepcopy(model)
     staged = quantize_model(staged_model, get_adapter(model), _Staged(), schemes, ids, batch_size=3, progress=False)
+    first = one_pass_model.get_submodule(next(n for n in schemes if "layers.0." in n))  # q_proj / qkv_proj
+    batches = []
+    handle = first.register_forward_hook(lambda m, args, out: batches.append(args[0].shape[0]))
     one_pass = quantize_model(one_pass_model, get_adapter(model), _Recording(observed), schemes, ids, batch_size=3,
                               progress=False)
+    handle.remove()
+    chunked = attention_chunks and model_type != "opt"
+    assert batches == ([1, 1, 1] if chunked else [3]), batches
     relative = sorted(re.sub(r"^.*layers\.\d+\.", "", n) for n in schemes)
     assert sorted(observed) == relative, "each linear observed exactly once: a single pass"
     assert list(one_pass) == list(staged)

@@ -75,6 +75,19 @@ class GatedMLP:
     act: str
 
 
+@dataclass(frozen=True)
+class AttentionBlock:
+    """Where a decoder layer's self-attention lives (names relative to the layer): the module, the
+    projections reading its input and the output projection, which its forward calls last on the
+    attention output. Sequences attend independently, so the one-pass GPTQ driver can run the
+    module a few sequences at a time: its temporaries (q/k/v, rotary, attention output) stay
+    cache-sized and are reused from the heap instead of being page-faulted in for the whole set."""
+
+    module: str
+    inputs: tuple[str, ...]
+    output: str
+
+
 def resolve(root: nn.Module, path: str) -> nn.Module:
     """``root.get_submodule(path)``, but a missing module is a one-line QuantkitError.
 
@@ -167,6 +180,10 @@ class ArchitectureAdapter:
 
     def gated_mlp(self, layer: nn.Module) -> GatedMLP | None:
         """The layer's gated MLP, if it has one of that exact form (None: run the module as it is)."""
+        return None
+
+    def attention(self, layer: nn.Module) -> AttentionBlock | None:
+        """The layer's self-attention, if its forward is transformers' Llama form (None: run it whole)."""
         return None
 
     def input_groups(self, layer: nn.Module, config=None) -> list[InputGroup]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from quantkit.models.base import LINEAR, NORM, ArchitectureAdapter, GatedMLP, InputGroup, resolve
+from quantkit.models.base import LINEAR, NORM, ArchitectureAdapter, AttentionBlock, GatedMLP, InputGroup, resolve
 
 Q, K, V, O = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"
 GATE, UP, DOWN = "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"
@@ -40,6 +40,10 @@ class LlamaAdapter(ArchitectureAdapter):
     def gated_mlp(self, layer: nn.Module) -> GatedMLP:
         # LlamaMLP, MistralMLP, Qwen2MLP and Qwen3MLP: down_proj(act_fn(gate_proj(x)) * up_proj(x))
         return GatedMLP(module="mlp", gate=GATE, up=UP, down=DOWN, act="mlp.act_fn")
+
+    def attention(self, layer: nn.Module) -> AttentionBlock:
+        # q/k/v(hidden) -> rotary -> attention -> o_proj(output), the batch dimension first throughout
+        return AttentionBlock(module="self_attn", inputs=(Q, K, V), output=O)
 
     def input_groups(self, layer: nn.Module, config=None) -> list[InputGroup]:
         groups = [InputGroup("input_layernorm", (Q, K, V), inspect="self_attn", kind=NORM)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from quantkit.errors import QuantkitError
-from quantkit.models.base import LINEAR, NORM, InputGroup, resolve
+from quantkit.models.base import LINEAR, NORM, AttentionBlock, InputGroup, resolve
 from quantkit.models.llama import LlamaAdapter
 
 QKV, O = "self_attn.qkv_proj", "self_attn.o_proj"
@@ -30,6 +30,9 @@ class Phi3Adapter(LlamaAdapter):
 
     def gated_mlp(self, layer: nn.Module) -> None:
         return None  # gate and up are one fused linear: no separate gate/up modules to chunk
+
+    def attention(self, layer: nn.Module) -> AttentionBlock:
+        return AttentionBlock(module="self_attn", inputs=(QKV,), output=O)
 
     def input_groups(self, layer: nn.Module, config=None) -> list[InputGroup]:
         qkv, o = resolve(layer, QKV), resolve(layer, O)
