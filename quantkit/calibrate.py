@@ -21,6 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quantkit.errors import QuantkitError
+from quantkit.models.base import NORM
 from quantkit.qtensor import QuantizedWeight
 from quantkit.progress import LayerRecord, ProgressStore
 from quantkit.quantizers.base import LayerContext, Quantizer
@@ -287,6 +288,7 @@ def _quantize_layer_in_one_pass(ctx: LayerContext, quantizer: Quantizer, device,
     restore_mlp = _run_in_token_chunks(ctx.layer, mlp, state) if mlp else None
     attention = ctx.adapter.attention(ctx.layer)
     restore_attention = _run_attention_in_sequence_chunks(ctx.layer, attention, state) if attention else None
+    restore_norms = _run_norms_in_row_chunks(ctx.layer, _norm_names(ctx))
     (hidden, kwargs), = ctx.inputs
     home = hidden.device
     # the layer's input goes from the list (its output will replace it) and is passed by `.forward`,
@@ -304,6 +306,7 @@ def _quantize_layer_in_one_pass(ctx: LayerContext, quantizer: Quantizer, device,
             restore_mlp()
         if restore_attention:
             restore_attention()
+        restore_norms()
     missing = [n for n in state.stage_of if n not in state.results]
     if missing:
         state.fail(f"{missing[0]} never ran in the forward")
@@ -511,6 +514,57 @@ def _run_attention_in_sequence_chunks(layer: nn.Module, spec, state: _InForward)
             del attn.forward
         else:
             attn.forward = previous
+
+    return restore
+
+
+# rows of a norm's input per chunk when the one-pass driver runs a decoder layer's norms in row
+# chunks: their fp32 temporaries (x², x·rsqrt, the scaled output) stay cache-sized heap blocks
+NORM_CHUNK_BYTES = 8 << 20
+
+
+def _norm_names(ctx: LayerContext) -> list[str]:
+    """The layer's norms feeding its linears (the adapter's folding groups name them)."""
+    try:
+        groups = ctx.adapter.input_groups(ctx.layer)
+    except (QuantkitError, NotImplementedError):
+        return []
+    return [g.prev for g in groups if g.kind == NORM]
+
+
+def _run_norms_in_row_chunks(layer: nn.Module, names: list[str]) -> callable:
+    """Make the layer's norms (RMSNorm, LayerNorm: each row on its own) compute a few thousand rows
+    at a time into one output for one forward; returns the undo. Only the output is whole: the
+    norm's own temporaries (three more tensors of the input's size for transformers' RMSNorm) are
+    never allocated for the whole calibration set."""
+    undo = []
+    for name in names:
+        norm = layer.get_submodule(name)
+        original = norm.forward
+
+        def forward(x: torch.Tensor, original=original) -> torch.Tensor:
+            flat = x.reshape(-1, x.shape[-1])
+            rows = max(1, NORM_CHUNK_BYTES // max(1, x.shape[-1] * x.element_size()))
+            if flat.shape[0] <= rows:
+                return original(x)
+            first = original(flat[:rows])
+            out = first.new_empty(flat.shape[0], first.shape[-1])
+            out[:rows] = first
+            del first
+            for start in range(rows, flat.shape[0], rows):
+                out[start:start + rows] = original(flat[start:start + rows])
+            return out.view(*x.shape[:-1], out.shape[-1])
+
+        previous = norm.__dict__.get("forward")
+        norm.forward = forward
+        undo.append((norm, previous))
+
+    def restore():
+        for norm, previous in undo:
+            if previous is None:
+                del norm.forward
+            else:
+                norm.forward = previous
 
     return restore
 

@@ -439,7 +439,8 @@ def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type, at
     layer instead of one per stage plus one. It must be the same true-sequential computation: the
     same integers, scales and next-layer inputs as the stage-by-stage driver on the same batch
     (48 tokens: the gated MLP runs as a single chunk). With `attention_chunks` the attention of
-    the Llama family and Phi-3 runs one sequence at a time (OPT's has no adapter hook: whole)."""
+    the Llama family and Phi-3 runs one sequence at a time (OPT's has no adapter hook: whole) and
+    every model's norms run one row at a time."""
     import copy
     import re
 
@@ -451,6 +452,7 @@ def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type, at
 
     if attention_chunks:
         monkeypatch.setattr(calibrate, "ATTN_CHUNK_BYTES", 1)
+        monkeypatch.setattr(calibrate, "NORM_CHUNK_BYTES", 1)
     observed = []
     model = _tiny_model(model_type)
     ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
