@@ -144,11 +144,8 @@ def quantize(
                                 batch_size=batch_size, chat_template=chat_template, version=__version__,
                                 calibration_digest=_digest(input_ids)), resume=resume)
     try:
-        # write_back=False: the checkpoint is assembled from the store's layer records, so the source
-        # model's layers (a zero-copy file mapping when loaded in their stored dtype) stay untouched
         quantize_model(hf_model, adapter, quantizer, schemes, input_ids, device=compute_device,
-                       batch_size=batch_size, progress=progress, store=store, layer_source=layer_source,
-                       write_back=False)
+                       batch_size=batch_size, progress=progress, store=store, layer_source=layer_source)
         ignore_names = sorted(n for n in linear_shapes(hf_model) if n not in schemes)
         write_checkpoint(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), format_name, method_info,
                          quantizer.format_extra(), base_name, save_dtype, ignore_names, max_shard_size=max_shard_size,

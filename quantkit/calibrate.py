@@ -151,17 +151,6 @@ def _write_back(layer: nn.Module, stored: dict) -> None:
                 t.data = original
 
 
-def _put_back_originals(layer: nn.Module, stored: dict) -> None:
-    """The layer's own tensors back in place, untouched, the calibrated copies dropped (the caller
-    keeps the results elsewhere). A model loaded zero-copy from safetensors is a private file
-    mapping: writing the results into it, as `_write_back` does, copies each page it touches into
-    anonymous memory (~7 MB per demo layer, ~200 MB of peak RSS by the end of a demo run)."""
-    for (module, kind, name), original in stored.items():
-        t = getattr(module, kind).get(name)
-        if t is not None and t.shape == original.shape:
-            t.data = original
-
-
 def _layer_output(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -179,14 +168,11 @@ def quantize_model(
     progress: bool = True,
     store: Optional[ProgressStore] = None,
     layer_source=None,
-    write_back: bool = True,
 ) -> dict[str, QuantizedWeight]:
     """Quantize every linear named in `schemes` (full names) and return their QuantizedWeights.
 
-    The model's linears are left fake-quantized (weights replaced by their dequantized values);
-    the next layer's calibration inputs are computed before that, inside the layer's turn.
-    `write_back=False` (with a `store`, which then holds every result) leaves the model's layers
-    as they were instead, for a caller that reads the layers from the store. With a `store`, each
+    The model's linears are left fake-quantized (weights replaced by their dequantized values),
+    which is exactly what the next layer must see during calibration. With a `store`, each
     finished layer is saved and layers already there are restored instead of recomputed (resume);
     with a `layer_source` (streaming), a layer's weights are read from disk only while it is
     processed and dropped afterwards. With a `store` the returned dict stays empty: the results
@@ -242,10 +228,7 @@ def quantize_model(
             quantizer.end_layer(ctx)
         if store is not None and i not in done:  # saved before the layer returns to its storage dtype
             store.save_layer(LayerRecord(index=i, quantized=layer_results, other=_other_tensors(layer, layer_prefix, layer_results)))
-        if write_back:
-            _write_back(layer, stored)
-        else:
-            _put_back_originals(layer, stored)
+        _write_back(layer, stored)
         finished.update(layer_results)
         if store is None:
             results.update(layer_results)
