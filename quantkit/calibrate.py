@@ -369,6 +369,21 @@ class _InForward:
         return hook
 
 
+def _override_forward(module: nn.Module, forward) -> callable:
+    """Give `module` an instance-level `forward` for one calibration forward; returns the undo,
+    which puts back the instance-level forward it had (accelerate's hooks set one), if any."""
+    previous = module.__dict__.get("forward")
+    module.forward = forward
+
+    def restore():
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
+
+    return restore
+
+
 # size of one chunk's gate (and up, act) when the one-pass driver runs a gated MLP in token chunks:
 # a few MB stay in cache from the GEMM to the activation and the product (the demo's MLP forward:
 # 1.61 s whole, ~1.35 s in 1024-2048-row chunks), and are reused from the heap instead of being
@@ -421,16 +436,7 @@ def _run_in_token_chunks(layer: nn.Module, spec, state: _InForward) -> callable:
                 trim_heap()  # consumed product chunks go back while `out` is paged in
         return out.view(*x.shape[:-1], down.out_features)
 
-    previous = mlp.__dict__.get("forward")  # an instance-level forward (accelerate's hooks) is put back
-    mlp.forward = forward
-
-    def restore():
-        if previous is None:
-            del mlp.forward
-        else:
-            mlp.forward = previous
-
-    return restore
+    return _override_forward(mlp, forward)
 
 
 # hidden-state bytes of one chunk of sequences when the one-pass driver runs a decoder layer's
@@ -482,8 +488,7 @@ def _run_attention_in_sequence_chunks(layer: nn.Module, spec, state: _InForward)
         saved_hooks = [dict(m._forward_pre_hooks) for m in hooked]
         for m in hooked:
             m._forward_pre_hooks.clear()
-        previous_output_forward = output.__dict__.get("forward")
-        output.forward = capture
+        restore_output = _override_forward(output, capture)
         try:
             for start in range(0, batch, seqs):
                 part = slice(start, start + seqs)
@@ -491,10 +496,7 @@ def _run_attention_in_sequence_chunks(layer: nn.Module, spec, state: _InForward)
                                                           if k in _BATCHED_ATTENTION_ARGS else v
                                                           for k, v in kwargs.items()})
         finally:
-            if previous_output_forward is None:
-                del output.forward
-            else:
-                output.forward = previous_output_forward
+            restore_output()
             for m, hooks in zip(hooked, saved_hooks):
                 m._forward_pre_hooks.update(hooks)
         if filled != batch:
@@ -506,16 +508,7 @@ def _run_attention_in_sequence_chunks(layer: nn.Module, spec, state: _InForward)
         # the rest of the forward's result (attention weights: None under SDPA) is per chunk: not returned
         return (out, *(None for _ in result[1:])) if isinstance(result, tuple) else out
 
-    previous = attn.__dict__.get("forward")
-    attn.forward = forward
-
-    def restore():
-        if previous is None:
-            del attn.forward
-        else:
-            attn.forward = previous
-
-    return restore
+    return _override_forward(attn, forward)
 
 
 # rows of a norm's input per chunk when the one-pass driver runs a decoder layer's norms in row
@@ -555,32 +548,29 @@ def _run_norms_in_row_chunks(layer: nn.Module, names: list[str]) -> callable:
                 out[start:start + rows] = original(flat[start:start + rows])
             return out.view(*x.shape[:-1], out.shape[-1])
 
-        previous = norm.__dict__.get("forward")
-        norm.forward = forward
-        undo.append((norm, previous))
+        undo.append(_override_forward(norm, forward))
 
     def restore():
-        for norm, previous in undo:
-            if previous is None:
-                del norm.forward
-            else:
-                norm.forward = previous
+        for restore_one in undo:
+            restore_one()
 
     return restore
 
 
+def _batch_first(value, batch: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch
+
+
 def _has_batch_dim(value, batch: int) -> bool:
     values = value if isinstance(value, (tuple, list)) else (value,)
-    return any(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch for v in values)
+    return any(_batch_first(v, batch) for v in values)
 
 
 def _batch_slice(value, part: slice, batch: int):
     """``value[part]`` for a tensor (or tuple of tensors) with the batch first; broadcast ones (1) as they are."""
     if isinstance(value, (tuple, list)):
         return type(value)(_batch_slice(v, part, batch) for v in value)
-    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
-        return value[part]
-    return value
+    return value[part] if _batch_first(value, batch) else value
 
 
 def _stacked_linear(a: nn.Module, b: nn.Module) -> Optional[callable]:

@@ -124,6 +124,9 @@ class ModelRunner:
         self.fused = [self._fuse(layer) if fuse_projections else (None, None) for layer in self.layers]
         self.norm_eps = [(_norm_eps(layer.input_layernorm, self.eps), _norm_eps(layer.post_attention_layernorm, self.eps))
                          for layer in self.layers]
+        # Qwen3: RMSNorm over head_dim on q and k before rope; None where a layer has none
+        self.qk_norm_eps = [(_norm_eps(layer.self_attn.q_norm, self.eps), _norm_eps(layer.self_attn.k_norm, self.eps))
+                            if getattr(layer.self_attn, "q_norm", None) is not None else None for layer in self.layers]
         self.final_eps = _norm_eps(self.final_norm, self.eps)
         self.rotary = RotaryEmbedding.from_config(cfg, self.device)
         uses_window = getattr(cfg, "use_sliding_window", cfg.model_type == "mistral")
@@ -260,10 +263,10 @@ class ModelRunner:
             attn = layer.self_attn
             fused_qkv, fused_gate_up = self.fused[i]
             eps_in, eps_post = self.norm_eps[i]
-            qk_norm = getattr(attn, "q_norm", None) is not None  # Qwen3: RMSNorm over head_dim before rope
+            qk_norm = self.qk_norm_eps[i]
             residual = x
             h = rms_norm(x, layer.input_layernorm.weight, eps_in)
-            if fused_qkv is not None and not qk_norm:
+            if fused_qkv is not None and qk_norm is None:
                 qkv = fused_qkv.joint(h).view(N, H + 2 * KVH, D)
                 qk = rotate(qkv[:, :H + KVH], cos, sin_signed)
                 q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KVH:]
@@ -273,9 +276,9 @@ class ModelRunner:
                 else:
                     q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
                 q, k, v = q.view(N, H, D), k.view(N, KVH, D), v.view(N, KVH, D)
-                if qk_norm:
-                    q = rms_norm(q, attn.q_norm.weight, _norm_eps(attn.q_norm, self.eps))
-                    k = rms_norm(k, attn.k_norm.weight, _norm_eps(attn.k_norm, self.eps))
+                if qk_norm is not None:
+                    q = rms_norm(q, attn.q_norm.weight, qk_norm[0])
+                    k = rms_norm(k, attn.k_norm.weight, qk_norm[1])
                 q, k = rotate(q, cos, sin_signed), rotate(k, cos, sin_signed)
             self.kv_cache.store(i, k, v, meta.slot_mapping, meta.has_skipped_slots)
             o = self.attention(i, q, k, v, meta)
