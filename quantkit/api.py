@@ -145,7 +145,8 @@ def quantize(
                                 calibration_digest=_digest(input_ids)), resume=resume)
     try:
         quantize_model(hf_model, adapter, quantizer, schemes, input_ids, device=compute_device,
-                       batch_size=batch_size, progress=progress, store=store, layer_source=layer_source)
+                       batch_size=batch_size, progress=progress, store=store, layer_source=layer_source,
+                       release_layers=True)
         ignore_names = sorted(n for n in linear_shapes(hf_model) if n not in schemes)
         write_checkpoint(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), format_name, method_info,
                          quantizer.format_extra(), base_name, save_dtype, ignore_names, max_shard_size=max_shard_size,

@@ -1,4 +1,5 @@
-"""Peak memory of the current process, measured the same way by quantkit and its benchmark peers.
+"""Peak memory of the current process, measured the same way by quantkit and its benchmark peers,
+and handing a file mapping's pages back once they are no longer needed.
 
 Standard library only: scripts/llmcompressor_peer.py runs in another venv and loads this one file
 by path, so both tools' "peak RSS" columns come from the same reader.
@@ -23,3 +24,38 @@ def peak_rss_mb() -> float:
     except (OSError, ValueError, IndexError):
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+_MADV_PAGEOUT = 5 + 16  # linux/mman.h (Linux 5.4+): reclaim these pages now; contents are kept
+_PAGE = 4096
+
+
+def page_out_file_backed(ranges: list[tuple[int, int]]) -> int:
+    """Drop the resident pages of the given (address, nbytes) ranges that lie in file mappings.
+
+    A model loaded from safetensors is a view of the file's mapping: every weight page calibration
+    reads stays resident (and counts in RSS) until the mapping goes, i.e. to the end of the run,
+    even after the layer is finished and its weights replaced. MADV_PAGEOUT hands such pages back
+    without changing what the mapping holds (a later read faults them in from the file again), so
+    it is safe whoever else views those bytes. Heap memory is left alone (it is freed, not paged
+    out). Returns the bytes advised; 0 where the kernel or platform lacks MADV_PAGEOUT."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        with open("/proc/self/maps") as maps:
+            files = [tuple(int(x, 16) for x in line.split()[0].split("-"))
+                     for line in maps if len(line.split()) > 5 and line.split()[5].startswith("/")]
+    except (OSError, AttributeError):
+        return 0
+    advised = 0
+    for address, nbytes in ranges:
+        start, end = address // _PAGE * _PAGE, -(-(address + nbytes) // _PAGE) * _PAGE
+        for lo, hi in files:
+            lo, hi = max(lo, start), min(hi, end)
+            if lo < hi:
+                if libc.madvise(lo, hi - lo, _MADV_PAGEOUT) != 0:
+                    return advised  # EINVAL: a kernel without MADV_PAGEOUT; nothing to gain here
+                advised += hi - lo
+    return advised

@@ -440,7 +440,8 @@ def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type, at
     same integers, scales and next-layer inputs as the stage-by-stage driver on the same batch
     (48 tokens: the gated MLP runs as a single chunk). With `attention_chunks` the attention of
     the Llama family and Phi-3 runs one sequence at a time (OPT's has no adapter hook: whole) and
-    every model's norms run one row at a time."""
+    every model's norms run one row at a time. The Llama family's layer input is freed when the MLP
+    starts (emptied in place): the exact results show nothing reads it afterwards."""
     import copy
     import re
 
@@ -453,6 +454,15 @@ def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type, at
     if attention_chunks:
         monkeypatch.setattr(calibrate, "ATTN_CHUNK_BYTES", 1)
         monkeypatch.setattr(calibrate, "NORM_CHUNK_BYTES", 1)
+    freed = []
+    free_layer_input = calibrate._InForward.free_layer_input
+
+    def recording_free(self, keep):
+        x = self.layer_input
+        free_layer_input(self, keep)
+        freed.append(x is not None and x.untyped_storage().nbytes() == 0)
+
+    monkeypatch.setattr(calibrate._InForward, "free_layer_input", recording_free)
     observed = []
     model = _tiny_model(model_type)
     ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
@@ -467,6 +477,8 @@ def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type, at
     handle.remove()
     chunked = attention_chunks and model_type != "opt"
     assert batches == ([1, 1, 1] if chunked else [3]), batches
+    gated = model_type in ("llama", "qwen2")  # phi3's gate/up are one linear: no chunked MLP, input kept
+    assert freed == ([True] * model.config.num_hidden_layers if gated else []), freed
     relative = sorted(re.sub(r"^.*layers\.\d+\.", "", n) for n in schemes)
     assert sorted(observed) == relative, "each linear observed exactly once: a single pass"
     assert list(one_pass) == list(staged)

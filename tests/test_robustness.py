@@ -174,6 +174,79 @@ def test_gptq_deterministic_and_resume_after_sigkill_replays_calibration(tmp_pat
     assert tree_sha256(out) == reference and not staging.exists()
 
 
+# ------------------------------------------------------------------ whole-model runs: finished layers let go
+
+def test_quantize_releases_each_finished_layer_to_the_same_records(tmp_path, small_llama_dir):
+    """`quantize` writes the checkpoint from the progress store, so once a layer's record is saved
+    its weights are dropped (`release_layers`): the layers end on the meta device, and the records
+    are exactly those of a run that keeps the model (fake-quantized) in memory."""
+    from quantkit.api import linear_shapes
+    from quantkit.calibrate import quantize_model
+    from quantkit.models import get_adapter
+    from quantkit.progress import ProgressStore
+    from quantkit.quantizers.base import get_quantizer
+    from quantkit.scheme import QuantScheme
+    from quantkit.sources import load_source_model
+
+    ids = torch.randint(0, 1000, (4, 32), generator=torch.Generator().manual_seed(2))
+    stores = {}
+    for release in (False, True):
+        model, *_ = load_source_model(str(small_llama_dir), dtype=None)
+        schemes = QuantScheme(bits=4, group_size=32).resolve(linear_shapes(model))
+        store = stores[release] = ProgressStore(tmp_path / f"release-{release}")
+        store.start({"run": "test"}, resume=False)
+        quantize_model(model, get_adapter(model), get_quantizer("gptq"), schemes, ids, batch_size=4, progress=False,
+                       store=store, release_layers=release)
+        devices = {p.device.type for layer in get_adapter(model).decoder_layers(model) for p in layer.parameters()}
+        assert devices == ({"meta"} if release else {"cpu"}), devices
+    assert stores[True].done_layers() == stores[False].done_layers() == list(range(6))
+    for index in range(6):
+        kept, released = stores[False].load_layer(index), stores[True].load_layer(index)
+        assert sorted(kept.quantized) == sorted(released.quantized)
+        for name, qw in kept.quantized.items():
+            for field in ("qweight", "scales", "zeros"):
+                assert torch.equal(getattr(qw, field), getattr(released.quantized[name], field)), (index, name, field)
+        assert sorted(kept.other) == sorted(released.other)
+        assert all(torch.equal(kept.other[k], released.other[k]) for k in kept.other)
+
+
+def _rss_file_kb() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads Linux's /proc")
+def test_page_out_hands_a_file_mappings_pages_back_and_keeps_its_contents(tmp_path):
+    """What `_release_layer` relies on: a weight viewing a file mapping stays resident once read,
+    until its pages are paged out; paging out keeps the contents (a later read faults them back
+    in from the file) and leaves heap memory alone."""
+    import mmap
+
+    from quantkit.memory import page_out_file_backed
+
+    path = tmp_path / "weights.bin"
+    data = torch.arange(16 << 20, dtype=torch.int32)  # 64 MiB
+    path.write_bytes(data.numpy().tobytes())
+    with open(path, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE)
+    viewed = torch.frombuffer(mapping, dtype=torch.int32)
+    heap = data.clone()
+    base = _rss_file_kb()
+    assert torch.equal(viewed, data)  # every page read, so resident
+    read = _rss_file_kb() - base
+    assert read > 48 << 10, read
+    advised = page_out_file_backed([(viewed.data_ptr(), viewed.numel() * 4), (heap.data_ptr(), heap.numel() * 4)])
+    if advised == 0:
+        pytest.skip("this kernel has no MADV_PAGEOUT")
+    assert advised == 64 << 20  # the mapping only: the heap tensor is not file-backed
+    assert _rss_file_kb() - base < read // 4
+    assert torch.equal(viewed, data) and torch.equal(heap, data)
+    del viewed
+    mapping.close()
+
+
 # ------------------------------------------------------------------ streaming: bounded host memory
 
 def test_peak_rss_of_a_child_is_its_own_not_its_big_parents():

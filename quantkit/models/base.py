@@ -73,6 +73,11 @@ class GatedMLP:
     up: str
     down: str
     act: str
+    # the decoder layer is a sequential pre-norm residual block (`residual` is rebound to the
+    # attention sum before the MLP, and the MLP's input is not read after it): the one-pass driver
+    # may then free the layer's input when the MLP starts (transformers' forward wrappers keep their
+    # arguments referenced until they return) and write the MLP's output over the MLP's input
+    sequential_residual: bool = False
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,8 @@ class LlamaAdapter(ArchitectureAdapter):
 
     def gated_mlp(self, layer: nn.Module) -> GatedMLP:
         # LlamaMLP, MistralMLP, Qwen2MLP and Qwen3MLP: down_proj(act_fn(gate_proj(x)) * up_proj(x))
-        return GatedMLP(module="mlp", gate=GATE, up=UP, down=DOWN, act="mlp.act_fn")
+        # and their decoder layers are sequential pre-norm blocks: residual + attn, then residual + mlp
+        return GatedMLP(module="mlp", gate=GATE, up=UP, down=DOWN, act="mlp.act_fn", sequential_residual=True)
 
     def attention(self, layer: nn.Module) -> AttentionBlock:
         # q/k/v(hidden) -> rotary -> attention -> o_proj(output), the batch dimension first throughout
