@@ -154,7 +154,12 @@ def _write_back(layer: nn.Module, stored: dict) -> None:
                 t.data = original
 
 
-def _release_layer(layer: nn.Module, stored: dict) -> None:
+def _byte_ranges(tensors) -> list[tuple[int, int]]:
+    """(address, nbytes) of each CPU tensor, for `page_out_file_backed`."""
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.device.type == "cpu"]
+
+
+def _release_layer(stored: dict) -> None:
     """Drop a finished layer's tensors (to the meta device) and page its weights out of memory.
 
     A model loaded from safetensors views the file's mapping, so writing the fake-quantized values
@@ -163,7 +168,7 @@ def _release_layer(layer: nn.Module, stored: dict) -> None:
     the end. Once the layer's record is in the store nothing reads these tensors again."""
     from accelerate.utils import set_module_tensor_to_device
 
-    sources = [(t.data_ptr(), t.numel() * t.element_size()) for t in stored.values() if t.device.type == "cpu"]
+    sources = _byte_ranges(stored.values())
     for module, kind, name in stored:
         set_module_tensor_to_device(module, name, "meta")
     stored.clear()
@@ -213,8 +218,7 @@ def quantize_model(
     inputs = (capture_layer_inputs(model, adapter, input_ids, batch_size, device, activation_device, compute_dtype)
               if needs_data else [])
     if release_layers:  # from here on the weights are read one layer at a time (see _release_layer)
-        page_out_file_backed([(t.data_ptr(), t.numel() * t.element_size()) for t in model.state_dict().values()
-                              if t.device.type == "cpu"])
+        page_out_file_backed(_byte_ranges(model.state_dict().values()))
     results: dict[str, QuantizedWeight] = {}
     finished: set[str] = set()
     bar = tqdm(range(len(layers)), desc=f"{quantizer.name}", unit="layer", disable=not progress)
@@ -256,7 +260,7 @@ def quantize_model(
         if store is not None and i not in done:  # saved before the layer returns to its storage dtype
             store.save_layer(LayerRecord(index=i, quantized=layer_results, other=_other_tensors(layer, layer_prefix, layer_results)))
         if release_layers and layer_source is None:
-            _release_layer(layer, stored)
+            _release_layer(stored)
         else:
             _write_back(layer, stored)
         del stored
@@ -445,8 +449,7 @@ def _run_in_token_chunks(layer: nn.Module, spec, state: _InForward) -> callable:
     act = layer.get_submodule(spec.act)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if spec.sequential_residual:
-            state.free_layer_input(keep=x)
+        state.free_layer_input(keep=x)  # set only for a sequential_residual block
         flat = x.reshape(-1, x.shape[-1])
         for name, module in ((spec.gate, gate), (spec.up, up)):
             if name in state.modules:

@@ -6,6 +6,7 @@ by path, so both tools' "peak RSS" columns come from the same reader.
 """
 from __future__ import annotations
 
+import mmap
 import resource
 
 
@@ -26,8 +27,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-_MADV_PAGEOUT = 5 + 16  # linux/mman.h (Linux 5.4+): reclaim these pages now; contents are kept
-_PAGE = 4096
+_MADV_PAGEOUT = 21  # linux/mman.h (Linux 5.4+): reclaim these pages now; contents are kept
 
 
 def page_out_file_backed(ranges: list[tuple[int, int]]) -> int:
@@ -44,14 +44,14 @@ def page_out_file_backed(ranges: list[tuple[int, int]]) -> int:
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        with open("/proc/self/maps") as maps:
-            files = [tuple(int(x, 16) for x in line.split()[0].split("-"))
-                     for line in maps if len(line.split()) > 5 and line.split()[5].startswith("/")]
+        with open("/proc/self/maps") as maps:  # address-range perms offset dev inode [path]
+            fields = [line.split() for line in maps]
+        files = [tuple(int(x, 16) for x in f[0].split("-")) for f in fields if len(f) > 5 and f[5].startswith("/")]
     except (OSError, AttributeError):
         return 0
-    advised = 0
+    page, advised = mmap.PAGESIZE, 0
     for address, nbytes in ranges:
-        start, end = address // _PAGE * _PAGE, -(-(address + nbytes) // _PAGE) * _PAGE
+        start, end = address // page * page, -(-(address + nbytes) // page) * page
         for lo, hi in files:
             lo, hi = max(lo, start), min(hi, end)
             if lo < hi:
