@@ -612,7 +612,7 @@ def test_calibration_batch_size_follows_the_quantizers_driver(tiny_llama_dir, tm
     assert sizes == {"gptq": 4, "awq": 2}
 
 
-@pytest.mark.parametrize("k", [100, 1024, 1300])
+@pytest.mark.parametrize("k", [100, 576, 1024, 1300])
 def test_blocked_symmetric_gram_update_equals_the_full_product(k):
     """add_gram_ multiplies only the upper block triangle of x^T x for wide inputs and mirrors it."""
     from quantkit.quantizers.gptq_core import add_gram_
