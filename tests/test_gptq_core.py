@@ -227,6 +227,19 @@ def test_hessian_accumulator_equals_one_shot():
     assert acc2.hessian().device.type == "cpu"
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_wide_hessian_accumulator_equals_one_shot_when_read_between_batches(offload):
+    """A wide input's Hessian (only the blocks on and above the diagonal are accumulated, the rest
+    mirrored when it is read) equals X^T X after every batch, read in between or not."""
+    k = 1100  # three Gram blocks
+    x = correlated_inputs(240, k, seed=11)
+    acc = HessianAccumulator(k, offload=offload)
+    for stop in (50, 51, 170, 240):
+        acc.add_batch(x[acc.n_samples:stop])
+        H, ref = acc.hessian(), hessian_of(x[:stop])
+        torch.testing.assert_close(H, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
 def test_hessian_accumulator_drops_nonfinite_rows():
     k = 16
     x = correlated_inputs(50, k, seed=8)
@@ -441,7 +454,8 @@ def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type, at
     (48 tokens: the gated MLP runs as a single chunk). With `attention_chunks` the attention of
     the Llama family and Phi-3 runs one sequence at a time (OPT's has no adapter hook: whole) and
     every model's norms run one row at a time. The Llama family's layer input is freed when the MLP
-    starts (emptied in place): the exact results show nothing reads it afterwards."""
+    starts (emptied in place): the exact results show nothing reads it afterwards. Chunked RMSNorms
+    run fused (`_fused_rms_norm`) and must change nothing either."""
     import copy
     import re
 
@@ -463,6 +477,14 @@ def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type, at
         freed.append(x is not None and x.untyped_storage().nbytes() == 0)
 
     monkeypatch.setattr(calibrate._InForward, "free_layer_input", recording_free)
+    fused_rows = []  # rows normed by the fused RMSNorm (used only once it matched the module bit for bit)
+    make_fused = calibrate._fused_rms_norm
+
+    def recording_fused(norm):
+        run = make_fused(norm)
+        return None if run is None else (lambda x, out: (fused_rows.append(x.shape[0]), run(x, out=out))[1])
+
+    monkeypatch.setattr(calibrate, "_fused_rms_norm", recording_fused)
     observed = []
     model = _tiny_model(model_type)
     ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
@@ -479,6 +501,8 @@ def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type, at
     assert batches == ([1, 1, 1] if chunked else [3]), batches
     gated = model_type in ("llama", "qwen2")  # phi3's gate/up are one linear: no chunked MLP, input kept
     assert freed == ([True] * model.config.num_hidden_layers if gated else []), freed
+    # norms in row chunks: the RMSNorms (not OPT's LayerNorm) run fused past the first (checked) row
+    assert bool(fused_rows) == (attention_chunks and model_type != "opt"), fused_rows
     relative = sorted(re.sub(r"^.*layers\.\d+\.", "", n) for n in schemes)
     assert sorted(observed) == relative, "each linear observed exactly once: a single pass"
     assert list(one_pass) == list(staged)
@@ -512,8 +536,8 @@ def test_one_pass_driver_runs_a_gated_mlp_in_chunks_changing_only_rounding(monke
     schemes = QuantScheme(bits=4, group_size=32).resolve(linear_shapes(model))
     staged_model, one_pass_model = copy.deepcopy(model), copy.deepcopy(model)
     chunk_rows, observed = [], []
-    for layer in one_pass_model.model.layers:
-        layer.mlp.act_fn.register_forward_hook(lambda m, args, out: chunk_rows.append(args[0].shape[0]))
+    act_in_place = calibrate._act_in_place  # the chunked MLP applies the activation through it
+    monkeypatch.setattr(calibrate, "_act_in_place", lambda act, x: (chunk_rows.append(x.shape[0]), act_in_place(act, x))[1])
     staged_q, one_pass_q = _Staged(), _Recording(observed)
     staged = calibrate.quantize_model(staged_model, get_adapter(model), staged_q, schemes, ids, batch_size=8,
                                       progress=False)

@@ -54,24 +54,38 @@ class HessianError(QuantkitError, ValueError):
 GRAM_BLOCK = 512  # widest column block of the symmetric Gram update; inputs this narrow use one GEMM
 
 
-def add_gram_(H: torch.Tensor, x: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+def _gram_spans(k: int) -> Optional[list[tuple[int, int]]]:
+    """The column blocks of a symmetric Gram update of width k, or None for one GEMM."""
+    n_blocks = -(-k // GRAM_BLOCK)
+    if n_blocks < 2:
+        return None
+    bounds = [k * i // n_blocks for i in range(n_blocks + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def add_gram_(H: torch.Tensor, x: torch.Tensor, alpha: float, beta: float, mirror: bool = True) -> torch.Tensor:
     """H = beta * H + alpha * x^T x, in place, for x [rows, K].
 
     x^T x is symmetric, so for inputs wider than GRAM_BLOCK it is cut into b near-equal column
     blocks, only the blocks on and above the diagonal are multiplied and the rest mirrored:
     (b + 1) / 2b of the FLOPs. Measured on the demo's CPU: a 576-wide Hessian (2 blocks) ~14 %
     faster, a 1536-wide one (3 blocks) ~25 % (column blocks as strided views: copying them
-    contiguous first was slower). The result is exactly symmetric."""
-    k = x.shape[1]
-    n_blocks = -(-k // GRAM_BLOCK)
-    if n_blocks < 2:
+    contiguous first was slower). The result is exactly symmetric. With mirror=False only the
+    blocks on and above the diagonal are valid (an accumulator adding many batches mirrors once,
+    `mirror_gram_`)."""
+    spans = _gram_spans(x.shape[1])
+    if spans is None:
         return H.addmm_(x.t(), x, beta=beta, alpha=alpha)
-    bounds = [k * i // n_blocks for i in range(n_blocks + 1)]
-    spans = list(zip(bounds[:-1], bounds[1:]))
     for i, (a, b) in enumerate(spans):
         for c, d in spans[i:]:
             H[a:b, c:d].addmm_(x[:, a:b].t(), x[:, c:d], beta=beta, alpha=alpha)
-    for i, (a, b) in enumerate(spans):
+    return mirror_gram_(H) if mirror else H
+
+
+def mirror_gram_(H: torch.Tensor) -> torch.Tensor:
+    """Copy the blocks above add_gram_'s diagonal into those below it, in place."""
+    spans = _gram_spans(H.shape[1])
+    for i, (a, b) in enumerate(spans or ()):
         for c, d in spans[i + 1:]:
             H[c:d, a:b].copy_(H[a:b, c:d].t())
     return H
@@ -94,6 +108,7 @@ class HessianAccumulator:
         self.n_samples = 0
         self.n_dropped = 0
         self._H: Optional[torch.Tensor] = None
+        self._mirrored = True
 
     def _storage(self, x_device: torch.device) -> torch.Tensor:
         if self._H is None:
@@ -130,12 +145,13 @@ class HessianAccumulator:
         total = n + m
         x = x.to(torch.float32)
         if H.device == x.device and not self.offload:
-            add_gram_(H, x, alpha=2.0 / total, beta=n / total)
+            add_gram_(H, x, alpha=2.0 / total, beta=n / total, mirror=False)
         else:  # offload (or H kept elsewhere): x^T x on x's device, one [K, K] transfer per batch
             upd = torch.zeros(self.in_features, self.in_features, dtype=torch.float32, device=x.device)
-            add_gram_(upd, x, alpha=2.0 / total, beta=0.0)
+            add_gram_(upd, x, alpha=2.0 / total, beta=0.0, mirror=False)
             H.mul_(n / total).add_(upd.to(H.device))
         self.n_samples = total
+        self._mirrored = False
 
     def hessian(self) -> torch.Tensor:
         """The accumulated fp32 [K, K] Hessian (the stored tensor itself, not a copy)."""
@@ -144,6 +160,9 @@ class HessianAccumulator:
                 "no calibration rows reached this layer (or all contained NaN/inf): "
                 "cannot build a GPTQ Hessian; use more/different calibration data or RTN for it"
             )
+        if not self._mirrored:  # add_batch keeps only the upper blocks valid (mirrored once, here)
+            mirror_gram_(self._H)
+            self._mirrored = True
         return self._H
 
 
@@ -259,6 +278,64 @@ def _updated_columns(WT, Hinv, Err1, c1: int, c2: int, i1: int, s1: int, s2: int
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
+def _solve_columns(WT, codesT, QT, row_loss, Hinv, col_group, gs, bits, sym, mse, block_size, static):
+    """GPTQ's column loop over the transposed weights WT [k, n] (codesT, QT, row_loss filled in
+    place). Returns the scales and lowest centred codes of the groups it formed, in processing
+    order (empty lists with static groups).
+
+    The loop is dispatch-bound (a few hundred columns, a handful of tiny ops each), so a column is
+    a contiguous row taken from `unbind` lists (not indexed one by one), every result is written
+    in place (`out=`), and codes are kept centred on the zero point (clamp(round(w/s), -z, maxq - z),
+    the zero added back once at the end: the same integers, two ops fewer per column). Inside a
+    block, columns go in sub-blocks of SUB_BLOCK: a column's error updates only its sub-block at
+    once (all of its rows, with zero coefficients for those already done, so no tail slice per
+    column), the rest of the block gets one GEMM per sub-block, the rest of the matrix one per block."""
+    k, n, dev = WT.shape[0], WT.shape[1], WT.device
+    hinv_diag = torch.diagonal(Hinv).clone().unbind(0)  # 0-dim tensors: the paper's rule divides by them
+    maxq = max_code(bits)
+    q = torch.empty(n, dtype=torch.float32, device=dev)
+    if static is not None:
+        group_scale, group_lo, group_hi = (t.unbind(0) for t in static)
+    else:
+        group_scale, group_lo, group_hi = [], [], []
+    scale_c = lo_c = hi_c = None
+    current_group = -1
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        Err1 = torch.empty(i2 - i1, n, dtype=torch.float32, device=dev)
+        for s1 in range(i1, i2, SUB_BLOCK):
+            s2 = min(s1 + SUB_BLOCK, i2)
+            Wsub = WT[s1:s2]
+            w_rows, c_rows, e_rows = Wsub.unbind(0), codesT[s1:s2].unbind(0), Err1[s1 - i1:s2 - i1].unbind(0)
+            q_rows = QT[s1:s2].unbind(0) if QT is not None else None
+            h_rows = Hinv[s1:s2, s1:s2].triu(1).unbind(0)
+            for j in range(s2 - s1):
+                col = s1 + j
+                g = col_group[col] if col_group is not None else col // gs
+                if g != current_group:
+                    current_group = g
+                    if col_group is None:  # a new group: its scale from the fully updated weights
+                        xg = _updated_columns(WT, Hinv, Err1, col, col + gs, i1, s1, s2, i2)
+                        s_new, z_new = find_qparams(xg.t(), bits, sym, mse)
+                        group_scale.append(s_new)
+                        group_lo.append(-z_new)
+                        group_hi.append(maxq - z_new)
+                    scale_c, lo_c, hi_c = group_scale[g], group_lo[g], group_hi[g]
+                w, c, e = w_rows[j], c_rows[j], e_rows[j]
+                qc = q_rows[j] if q_rows is not None else q
+                torch.div(w, scale_c, out=c).round_().clamp_(lo_c, hi_c)
+                torch.mul(c, scale_c, out=qc)
+                torch.sub(w, qc, out=e).div_(hinv_diag[col])
+                if j + 1 < s2 - s1:
+                    Wsub.addr_(h_rows[j], e, alpha=-1.0)
+            if s2 < i2:
+                WT[s2:i2].addmm_(Hinv[s1:s2, s2:i2].t(), Err1[s1 - i1:s2 - i1], alpha=-1.0)
+        row_loss.add_(Err1.square().sum(dim=0))
+        if i2 < k:
+            WT[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1.0)
+    return (group_scale, group_lo) if static is None else ([], [])
+
+
 @torch.no_grad()
 def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, sym: bool,
                   block_size: int = 128, damp_percent: float = 0.01, act_order: bool = False,
@@ -365,67 +442,19 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
         )
     del H
 
-    # The column loop is dispatch-bound (a few hundred columns, a handful of tiny ops each), so it
-    # works on transposed copies where a column is a contiguous row (taken from `unbind` lists, not
-    # indexed one by one), writes every result in place (`out=`), and keeps codes centred on the
-    # zero point (clamp(round(w/s), -z, maxq - z), the zero added back once at the end: the same
-    # integers, two ops fewer per column). Inside a block, columns go in sub-blocks of SUB_BLOCK:
-    # a column's error updates only its sub-block at once (all of its rows, with zero coefficients
-    # for those already done, so no tail slice per column), the rest of the block gets one GEMM per
-    # sub-block and the rest of the matrix one per block.
-    WT = W.t().contiguous()  # [k, n]
+    WT = W.t().contiguous()  # [k, n]: a column is a contiguous row
     del W
     codesT = torch.empty(k, n, dtype=torch.float32, device=dev)
     QT = torch.empty(k, n, dtype=torch.float32, device=dev) if return_dequant else None
-    q = torch.empty(n, dtype=torch.float32, device=dev)
     row_loss = torch.zeros(n, dtype=torch.float32, device=dev)
-    hinv_diag = torch.diagonal(Hinv).clone().unbind(0)  # 0-dim tensors, as the paper's rule divides by
-    if static_scale is not None:  # per group: scale, lowest and highest centred code, as row lists
-        group_scale = static_scale.t().contiguous().unbind(0)
-        group_lo = (-static_zero).t().contiguous().unbind(0)
-        group_hi = (maxq - static_zero).t().contiguous().unbind(0)
-    else:
-        group_scale, group_lo, group_hi = [], [], []
-    zero_table = static_zero.t() if static_scale is not None else None
-    scale_c = lo_c = hi_c = None
-    current_group = -1
-
-    with _single_thread_on_cpu(WT.device):
-        for i1 in range(0, k, block_size):
-            i2 = min(i1 + block_size, k)
-            Err1 = torch.empty(i2 - i1, n, dtype=torch.float32, device=dev)
-            for s1 in range(i1, i2, SUB_BLOCK):
-                s2 = min(s1 + SUB_BLOCK, i2)
-                Wsub = WT[s1:s2]
-                w_rows, c_rows, e_rows = Wsub.unbind(0), codesT[s1:s2].unbind(0), Err1[s1 - i1:s2 - i1].unbind(0)
-                q_rows = QT[s1:s2].unbind(0) if QT is not None else None
-                h_rows = Hinv[s1:s2, s1:s2].triu(1).unbind(0)
-                for j in range(s2 - s1):
-                    col = s1 + j
-                    g = col_group[col] if col_group is not None else col // gs
-                    if g != current_group:
-                        current_group = g
-                        if col_group is None:  # a new group: its scale from the fully updated weights
-                            xg = _updated_columns(WT, Hinv, Err1, col, col + gs, i1, s1, s2, i2)
-                            s_new, z_new = find_qparams(xg.t(), bits, sym, mse)
-                            group_scale.append(s_new)
-                            group_lo.append(-z_new)
-                            group_hi.append(maxq - z_new)
-                        scale_c, lo_c, hi_c = group_scale[g], group_lo[g], group_hi[g]
-                    w, c, e = w_rows[j], c_rows[j], e_rows[j]
-                    qc = q_rows[j] if q_rows is not None else q
-                    torch.div(w, scale_c, out=c).round_().clamp_(lo_c, hi_c)
-                    torch.mul(c, scale_c, out=qc)
-                    torch.sub(w, qc, out=e).div_(hinv_diag[col])
-                    if j + 1 < s2 - s1:
-                        Wsub.addr_(h_rows[j], e, alpha=-1.0)
-                if s2 < i2:
-                    WT[s2:i2].addmm_(Hinv[s1:s2, s2:i2].t(), Err1[s1 - i1:s2 - i1], alpha=-1.0)
-            row_loss.add_(Err1.square().sum(dim=0))
-            if i2 < k:
-                WT[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1.0)
-    if zero_table is None:
-        zero_table = -torch.stack(group_lo)  # [groups, n], groups in processing order
+    static = None
+    if static_scale is not None:  # per group: scale, lowest and highest centred code, [groups, n] each
+        static = (static_scale.t().contiguous(), (-static_zero).t().contiguous(), (maxq - static_zero).t().contiguous())
+    with _single_thread_on_cpu(dev):
+        group_scale, group_lo = _solve_columns(WT, codesT, QT, row_loss, Hinv, col_group, gs, bits, sym, mse,
+                                               block_size, static)
+    # the zero point of every group ([groups, n]; dynamic groups in processing order), added back
+    zero_table = static_zero.t() if static_scale is not None else -torch.stack(group_lo)
     processed_group = (torch.tensor(col_group, device=dev) if col_group is not None
                        else torch.arange(k, device=dev) // gs)
     codesT.add_(zero_table[processed_group])
