@@ -221,6 +221,7 @@ def quantize_model(
         page_out_file_backed(_byte_ranges(model.state_dict().values()))
     results: dict[str, QuantizedWeight] = {}
     finished: set[str] = set()
+    scratch = ScratchBuffers()  # the one-pass forward's big intermediates, reused by every layer
     bar = tqdm(range(len(layers)), desc=f"{quantizer.name}", unit="layer", disable=not progress)
     for i in bar:
         t0 = time.perf_counter()
@@ -247,7 +248,7 @@ def quantize_model(
             ctx = LayerContext(index=i, layer=layer, prefix=layer_prefix, adapter=adapter, config=model.config,
                                schemes=layer_schemes, inputs=inputs, run_layer=run_layer)
             if len(inputs) == 1 and runs_in_one_pass(quantizer):
-                layer_results, outputs = _quantize_layer_in_one_pass(ctx, quantizer, device, compute_dtype)
+                layer_results, outputs = _quantize_layer_in_one_pass(ctx, quantizer, device, compute_dtype, scratch)
             else:
                 layer_results = _quantize_layer(ctx, quantizer, needs_data, device, compute_dtype)
         if needs_data:
@@ -309,21 +310,28 @@ def _quantize_in_place(ctx: LayerContext, quantizer: Quantizer, name: str, modul
 
 
 @torch.no_grad()
-def _quantize_layer_in_one_pass(ctx: LayerContext, quantizer: Quantizer, device, compute_dtype):
+def _quantize_layer_in_one_pass(ctx: LayerContext, quantizer: Quantizer, device, compute_dtype,
+                                scratch: Optional["ScratchBuffers"] = None):
     """True-sequential in one forward over the single calibration batch: each target linear's
     pre-hook observes its input, quantizes it and fake-quantizes it in place, so everything after it
     in the forward (later stages, the layer's output) already sees it quantized. The staged
     driver's result when each stage's linears share one input and stages follow the forward order,
     which the hooks check; returns the results and the layer's outputs (no extra pass for the next
-    layer). A gated MLP runs in token chunks (`_run_in_token_chunks`)."""
+    layer). A gated MLP runs in token chunks (`_run_in_token_chunks`). In a sequential block (the
+    Llama family: attention, then MLP, each added to the residual) the norms' outputs share one
+    `scratch` buffer and the attention's output and the MLP's products another: none of them
+    outlives the next one's start there."""
     quantizer.begin_layer(ctx)
     state = _InForward(ctx, quantizer)
     handles = [m.register_forward_pre_hook(state.pre_hook(n)) for n, m in state.modules.items()]
     mlp = ctx.adapter.gated_mlp(ctx.layer)
+    if mlp is None or not mlp.sequential_residual:
+        scratch = None
+    state.scratch = scratch
     restore_mlp = _run_in_token_chunks(ctx.layer, mlp, state) if mlp else None
     attention = ctx.adapter.attention(ctx.layer)
     restore_attention = _run_attention_in_sequence_chunks(ctx.layer, attention, state) if attention else None
-    restore_norms = _run_norms_in_row_chunks(ctx.layer, _norm_names(ctx))
+    restore_norms = _run_norms_in_row_chunks(ctx.layer, _norm_names(ctx), scratch)
     (hidden, kwargs), = ctx.inputs
     home = hidden.device
     # the layer's input goes from the list (its output will replace it) and is passed by `.forward`,
@@ -368,6 +376,14 @@ class _InForward:
         self.open_stage: Optional[int] = None
         self.open_input: Optional[torch.Tensor] = None
         self.layer_input: Optional[torch.Tensor] = None  # the decoder layer's input, where it may be freed early
+        self.scratch: Optional[ScratchBuffers] = None  # set for a sequential block (see _quantize_layer_in_one_pass)
+
+    def empty(self, slot: str, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised tensor for the layer's `slot` intermediate: from the scratch buffers when
+        set, else a fresh one."""
+        if self.scratch is None:
+            return like.new_empty(shape)
+        return self.scratch.take(slot, shape, like.dtype, like.device)
 
     def free_layer_input(self, keep: torch.Tensor) -> None:
         """Free the decoder layer's input (the adapter says the layer reads it no more): 75 MB less
@@ -413,6 +429,33 @@ class _InForward:
             self.quantize(name)
 
         return hook
+
+
+# the one-pass forward's scratch slots: the norms' outputs, and the attention's output / MLP products
+NORM_SLOT, BIG_SLOT = "norm", "big"
+
+
+class ScratchBuffers:
+    """Named buffers that every layer's one-pass forward reuses for its big intermediates.
+
+    Why: a tensor above glibc's mmap threshold (32 MiB) is a fresh mapping, page-faulted in on first
+    write and unmapped when freed, so every layer paid for its 75-200 MB intermediates afresh: on
+    the demo's CPU an elementwise op writing into fresh memory ran ~4x slower than into reused
+    memory (~25 ms per 75 MB). A slot's buffer only grows; the caller guarantees that what a slot
+    held is dead before the slot is taken again."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, slot: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= int(size)
+        buf = self._buffers.get(slot)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != torch.device(device):
+            self._buffers.pop(slot, None)  # the old one goes before the new one arrives
+            buf = self._buffers[slot] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
 
 
 def _override_forward(module: nn.Module, forward) -> callable:
@@ -468,7 +511,7 @@ def _run_in_token_chunks(layer: nn.Module, spec, state: _InForward) -> callable:
         gate_up = _stacked_linear(gate, up)
         # one allocation (a mapping of its own, returned whole when freed), so the products never
         # fragment the heap that the chunks' temporaries are reused from
-        products = flat.new_empty(flat.shape[0], gate.out_features)
+        products = state.empty(BIG_SLOT, (flat.shape[0], gate.out_features), flat)
         for start in starts:  # .forward: the chunks bypass the pre-hooks
             chunk, product = flat[start:start + rows], products[start:start + rows]
             if gate_up is not None:
@@ -540,7 +583,7 @@ def _run_attention_in_sequence_chunks(layer: nn.Module, spec, state: _InForward)
         def capture(x: torch.Tensor) -> torch.Tensor:
             nonlocal attended, filled
             if attended is None:
-                attended = x.new_empty(batch, *x.shape[1:])
+                attended = state.empty(BIG_SLOT, (batch, *x.shape[1:]), x)
             attended[filled:filled + x.shape[0]] = x
             filled += x.shape[0]
             return x.new_empty(0)  # the attention forward returns it unread
@@ -616,13 +659,14 @@ def _fused_rms_norm(norm: nn.Module):
     return run
 
 
-def _run_norms_in_row_chunks(layer: nn.Module, names: list[str]) -> callable:
+def _run_norms_in_row_chunks(layer: nn.Module, names: list[str], scratch: Optional["ScratchBuffers"] = None) -> callable:
     """Make the layer's norms (RMSNorm, LayerNorm: each row on its own) compute a few thousand rows
     at a time into one output for one forward; returns the undo. Only the output is whole: the
     norm's own temporaries (three more tensors of the input's size for transformers' RMSNorm) are
     never allocated for the whole calibration set. A Llama-style RMSNorm whose fused form
     (`_fused_rms_norm`) gives the first chunk bit for bit as its own forward does runs fused for
-    the rest (the demo's norms ~5x faster: 20 vs 99 ms per layer's norm)."""
+    the rest (the demo's norms ~5x faster: 20 vs 99 ms per layer's norm). With `scratch` every norm's
+    output goes to its one NORM_SLOT buffer (for a block whose norm outputs never coexist)."""
     undo = []
     for name in names:
         norm = layer.get_submodule(name)
@@ -635,7 +679,8 @@ def _run_norms_in_row_chunks(layer: nn.Module, names: list[str]) -> callable:
             if flat.shape[0] <= rows:
                 return original(x)
             first = original(flat[:rows])
-            out = first.new_empty(flat.shape[0], first.shape[-1])
+            shape = (flat.shape[0], first.shape[-1])
+            out = first.new_empty(shape) if scratch is None else scratch.take(NORM_SLOT, shape, first.dtype, first.device)
             out[:rows] = first
             if fused is not None and (x.dtype != torch.float32 or first.dtype != torch.float32
                                       or not torch.equal(fused(flat[:rows], out=torch.empty_like(first)), first)):
