@@ -12,6 +12,7 @@ Only one decoder layer lives on the compute device; activations stay on `activat
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional
 
@@ -325,9 +326,8 @@ def _quantize_layer_in_one_pass(ctx: LayerContext, quantizer: Quantizer, device,
     state = _InForward(ctx, quantizer)
     handles = [m.register_forward_pre_hook(state.pre_hook(n)) for n, m in state.modules.items()]
     mlp = ctx.adapter.gated_mlp(ctx.layer)
-    if mlp is None or not mlp.sequential_residual:
-        scratch = None
-    state.scratch = scratch
+    sequential = mlp is not None and mlp.sequential_residual
+    state.scratch = scratch = scratch if sequential else None
     restore_mlp = _run_in_token_chunks(ctx.layer, mlp, state) if mlp else None
     attention = ctx.adapter.attention(ctx.layer)
     restore_attention = _run_attention_in_sequence_chunks(ctx.layer, attention, state) if attention else None
@@ -340,7 +340,7 @@ def _quantize_layer_in_one_pass(ctx: LayerContext, quantizer: Quantizer, device,
     args = [_to(hidden, device).to(compute_dtype)]
     ctx.inputs[0] = (None, kwargs)
     del hidden
-    if mlp is not None and mlp.sequential_residual:
+    if sequential:
         state.layer_input = args[0]  # freed when the MLP starts (transformers' forward wrappers hold it)
     try:
         out = ctx.layer.forward(args.pop(), **_to(kwargs, device))
@@ -377,13 +377,6 @@ class _InForward:
         self.open_input: Optional[torch.Tensor] = None
         self.layer_input: Optional[torch.Tensor] = None  # the decoder layer's input, where it may be freed early
         self.scratch: Optional[ScratchBuffers] = None  # set for a sequential block (see _quantize_layer_in_one_pass)
-
-    def empty(self, slot: str, shape: tuple, like: torch.Tensor) -> torch.Tensor:
-        """An uninitialised tensor for the layer's `slot` intermediate: from the scratch buffers when
-        set, else a fresh one."""
-        if self.scratch is None:
-            return like.new_empty(shape)
-        return self.scratch.take(slot, shape, like.dtype, like.device)
 
     def free_layer_input(self, keep: torch.Tensor) -> None:
         """Free the decoder layer's input (the adapter says the layer reads it no more): 75 MB less
@@ -447,15 +440,19 @@ class ScratchBuffers:
     def __init__(self):
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def take(self, slot: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-        numel = 1
-        for size in shape:
-            numel *= int(size)
+    def take(self, slot: str, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised tensor of `shape` with `like`'s dtype and device, in `slot`'s buffer."""
+        numel = math.prod(shape)
         buf = self._buffers.get(slot)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != torch.device(device):
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
             self._buffers.pop(slot, None)  # the old one goes before the new one arrives
-            buf = self._buffers[slot] = torch.empty(numel, dtype=dtype, device=device)
+            buf = self._buffers[slot] = like.new_empty(numel)
         return buf[:numel].view(shape)
+
+
+def _empty(scratch: Optional[ScratchBuffers], slot: str, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor for a `slot` intermediate: from `scratch` when given, else fresh."""
+    return like.new_empty(shape) if scratch is None else scratch.take(slot, shape, like)
 
 
 def _override_forward(module: nn.Module, forward) -> callable:
@@ -511,7 +508,7 @@ def _run_in_token_chunks(layer: nn.Module, spec, state: _InForward) -> callable:
         gate_up = _stacked_linear(gate, up)
         # one allocation (a mapping of its own, returned whole when freed), so the products never
         # fragment the heap that the chunks' temporaries are reused from
-        products = state.empty(BIG_SLOT, (flat.shape[0], gate.out_features), flat)
+        products = _empty(state.scratch, BIG_SLOT, (flat.shape[0], gate.out_features), flat)
         for start in starts:  # .forward: the chunks bypass the pre-hooks
             chunk, product = flat[start:start + rows], products[start:start + rows]
             if gate_up is not None:
@@ -583,7 +580,7 @@ def _run_attention_in_sequence_chunks(layer: nn.Module, spec, state: _InForward)
         def capture(x: torch.Tensor) -> torch.Tensor:
             nonlocal attended, filled
             if attended is None:
-                attended = state.empty(BIG_SLOT, (batch, *x.shape[1:]), x)
+                attended = _empty(state.scratch, BIG_SLOT, (batch, *x.shape[1:]), x)
             attended[filled:filled + x.shape[0]] = x
             filled += x.shape[0]
             return x.new_empty(0)  # the attention forward returns it unread
@@ -679,8 +676,7 @@ def _run_norms_in_row_chunks(layer: nn.Module, names: list[str], scratch: Option
             if flat.shape[0] <= rows:
                 return original(x)
             first = original(flat[:rows])
-            shape = (flat.shape[0], first.shape[-1])
-            out = first.new_empty(shape) if scratch is None else scratch.take(NORM_SLOT, shape, first.dtype, first.device)
+            out = _empty(scratch, NORM_SLOT, (flat.shape[0], first.shape[-1]), first)
             out[:rows] = first
             if fused is not None and (x.dtype != torch.float32 or first.dtype != torch.float32
                                       or not torch.equal(fused(flat[:rows], out=torch.empty_like(first)), first)):

@@ -39,14 +39,11 @@ def compute_qparams(w: torch.Tensor, bits: int, sym: bool, clip_ratio: float | t
     return scale, zero
 
 
-def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """Integer codes (as float) for `w` [rows, cols] with per-row scale/zero [rows] or [rows, 1]
-    (or one column `w` [rows] with scale/zero [rows]); written into `out` when given (GPTQ's
-    column loop, where the allocation would cost more than the arithmetic)."""
+def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes (as float) for `w` [rows, cols] with per-row scale/zero [rows] or [rows, 1]."""
     if scale.dim() == 1 and w.dim() > 1:
         scale, zero = scale.unsqueeze(1), zero.unsqueeze(1)
-    return torch.div(w.float(), scale, out=out).round_().add_(zero).clamp_(0, max_code(bits))
+    return torch.div(w.float(), scale).round_().add_(zero).clamp_(0, max_code(bits))
 
 
 def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
