@@ -108,6 +108,21 @@ def test_cpu_output_dtype_follows_input():
     assert m(torch.randn(0, 256)).shape == (0, 128)
 
 
+@pytest.mark.parametrize("backend,bits,gs,dynamic", [("cpu", 4, 64, False), ("cpu", 4, 32, True), ("cpu", 8, -1, False),
+                                                     ("cpu", 3, 64, False), ("reference", 4, 64, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_fn_computes_exactly_what_forward_does(backend, bits, gs, dynamic, dtype):
+    """The engine calls layers through ``matmul_fn`` (no module or shape dispatch): bias included,
+    act-order permutation included, output in the activations' dtype, the 3-bit fallback included,
+    bit for bit the module's own forward."""
+    qw = make_qw(96, 256, bits, gs, bits == 8, seed=bits + gs, dynamic=dynamic)
+    m = build(qw, "gptq", backend, dtype=dtype)
+    x = torch.randn(3, 256).to(dtype)
+    y = m.matmul_fn(dtype)(x)
+    assert y.dtype == dtype
+    assert torch.equal(y, m(x))
+
+
 @pytest.mark.parametrize("bits,gs,sym,n,why", [(3, 64, True, 96, "3-bit"), (8, -1, False, 96, "symmetric"),
                                                (8, 64, True, 96, "per-channel"), (4, 32, True, 104, "16"),
                                                (2, -1, False, 96, "2-bit")])

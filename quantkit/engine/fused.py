@@ -69,6 +69,10 @@ class FusedProjection(nn.Module):
         bias = None if stacked.bias is None else stacked.bias.to(device)
         return cls(impl, [m.out_features for m in modules], bias)
 
+    def matmul_fn(self, dtype: torch.dtype):
+        """:meth:`joint` as a plain callable on 2-D activations in `dtype` (see ``QuantLinear.matmul_fn``)."""
+        return backends.matmul_fn(self.impl, dtype, self.bias)
+
     def joint(self, x: torch.Tensor) -> torch.Tensor:
         """The outputs side by side, [..., sum(sizes)] (one tensor, so later ops can treat q and k together)."""
         y = self.impl(x)

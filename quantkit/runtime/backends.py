@@ -14,7 +14,7 @@ checkpoint only through ``format.unpack``; it never adds bias (QuantLinear does)
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -151,6 +151,17 @@ class CpuBackend:
             notice(f"quantkit cpu backend: {reason}; using a cached dequantized weight")
             self.fallback = DequantizedBackend(qw, device)
 
+    def matmul_fn(self, dtype: torch.dtype) -> Callable:
+        """``x [M, in] -> [M, out]`` in `dtype`, without ``__call__``'s shape handling: for loops that call
+        a layer thousands of times with one small row (the engine's CPU decode), where that costs as
+        much as the kernel's own set-up. The kernels compute in bf16 whatever `dtype` is."""
+        if self.fallback is not None:
+            return self.fallback
+        kernel = self.kernel
+        if dtype == torch.bfloat16:
+            return kernel
+        return lambda x2: kernel(x2).to(dtype)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fallback is not None:
             return self.fallback(x)
@@ -207,6 +218,20 @@ class TritonBackend:
 
 
 _CLASSES = {"reference": ReferenceBackend, "cpu": CpuBackend, "triton": TritonBackend}
+
+
+def matmul_fn(impl, dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> Callable:
+    """A built backend `impl` (plus `bias`, added in the output's dtype as ``QuantLinear.forward``
+    does) as one callable on 2-D activations in `dtype`."""
+    direct = getattr(impl, "matmul_fn", None)
+    mm = direct(dtype) if direct is not None else impl
+    if bias is None:
+        return mm
+
+    def with_bias(x2: torch.Tensor) -> torch.Tensor:
+        y = mm(x2)
+        return y + bias.to(y.dtype)
+    return with_bias
 
 
 def build(name: str, qw: QuantizedWeight, device: torch.device):

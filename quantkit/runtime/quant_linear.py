@@ -116,6 +116,14 @@ class QuantLinear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y
 
+    def matmul_fn(self, dtype: torch.dtype):
+        """This layer as a plain callable ``x [M, in] -> [M, out]`` (activations in `dtype`), the
+        backend's cheapest entry when it has one; exactly what ``forward`` computes. Resolved now:
+        a later device move or ``set_backend`` needs a new one."""
+        if self._impl is None:
+            self.prepare()
+        return backends.matmul_fn(self._impl, dtype, self.bias)
+
     def extra_repr(self) -> str:
         s = self.spec
         return (f"in_features={s.in_features}, out_features={s.out_features}, bits={s.bits}, "
