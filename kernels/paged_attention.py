@@ -29,7 +29,7 @@ minimum tile size applies and decode stays memory-bound as it should.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -103,15 +103,19 @@ def paged_attention_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
 
 
 def decode_slots(block_tables: list[list[int]], context_lens: list[int], block_size: int,
-                 device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Per decode step, for all layers: (slots [B * T] long, the cache slot of each sequence's every
-    token, row by row, padding pointing at slot 0; mask [B, 1, 1, T] additive fp32, -inf past a
-    sequence's length, or None when all sequences have the same length T)."""
+                 device: torch.device) -> tuple[Union[torch.Tensor, slice], Optional[torch.Tensor]]:
+    """Per decode step, for all layers: (slots, mask). slots: the cache slot of each sequence's every
+    token, row by row, padding pointing at slot 0, as a [B * T] long tensor, or as a ``slice`` when
+    that is one run of consecutive slots (one sequence whose blocks follow each other: a view then
+    replaces two gathers per layer). mask: [B, 1, 1, T] additive fp32, -inf past a sequence's
+    length, or None when all sequences have the same length T."""
     T = max(context_lens)
     flat: list[int] = []
     for table, n in zip(block_tables, context_lens):
         flat.extend(table[p // block_size] * block_size + p % block_size for p in range(n))
         flat.extend([0] * (T - n))
+    if len(block_tables) == 1 and flat == list(range(flat[0], flat[0] + T)):
+        return slice(flat[0], flat[0] + T), None
     slots = torch.tensor(flat, dtype=torch.long, device=device)
     if min(context_lens) == T:
         return slots, None
@@ -122,11 +126,10 @@ def decode_slots(block_tables: list[list[int]], context_lens: list[int], block_s
 
 
 def paged_attention_decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                    slots: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                                    slots: Union[torch.Tensor, slice], mask: Optional[torch.Tensor], scale: float,
                                     k_scale: Optional[torch.Tensor] = None,
                                     v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """q [B, H, D] -> out [B, H, D] in q's dtype, over the tokens ``slots`` [B * T] (from
-    :func:`decode_slots`).
+    """q [B, H, D] -> out [B, H, D] in q's dtype, over the tokens ``slots`` (from :func:`decode_slots`).
 
     Computed in fp32 whatever the cache dtype (as the reference and the Triton kernel do): on CPU a
     bf16 ``bmm`` costs several times an fp32 one at these sizes, more than the casts. Quantized
@@ -135,14 +138,19 @@ def paged_attention_decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_ca
     is made of."""
     B, H, D = q.shape
     kvh = k_cache.shape[2]
-    T = slots.numel() // B
+    run = isinstance(slots, slice)
+    T = (slots.stop - slots.start) if run else slots.numel() // B
 
     def dense(cache, sc):
         flat = cache.view(-1, kvh, D)
-        x = (flat.view(torch.uint8).index_select(0, slots).view(cache.dtype) if cache.dtype in _FP8
-             else flat.index_select(0, slots)).float()  # [B * T, kvh, D]
+        if run:
+            x = flat[slots].float()
+        else:
+            x = (flat.view(torch.uint8).index_select(0, slots).view(cache.dtype) if cache.dtype in _FP8
+                 else flat.index_select(0, slots)).float()  # [B * T, kvh, D]
         if sc is not None:
-            x = x * sc.view(-1, kvh).index_select(0, slots).unsqueeze(-1)
+            sc = sc.view(-1, kvh)
+            x = x * (sc[slots] if run else sc.index_select(0, slots)).unsqueeze(-1)
         return x.view(B, T, kvh, D)
 
     k, v = dense(k_cache, k_scale), dense(v_cache, v_scale)

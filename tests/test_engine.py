@@ -401,6 +401,31 @@ def test_paged_decode_gathered_cpu_path_vs_loop(dtype, kv):
         torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("kv", ["model", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_gathered_reads_one_run_of_blocks_as_a_view(dtype, kv):
+    """One sequence whose blocks follow each other (the usual batch-1 case) gets its slots as a
+    slice (a view of the cache instead of two gathers per layer): same output as the gathered
+    slots and as the per-head loop; scattered blocks or a batch still get a tensor."""
+    q, k, v, _, _ = _paged_case(dtype, group=3, head_dim=16, block_size=4, lens=(10, 3, 3))
+    ks = vs = None
+    if kv != "model":
+        kv_dtype = torch.int8 if kv == "int8" else torch.float8_e4m3fn
+        (k, ks), (v, vs) = quantize_kv(k, kv_dtype), quantize_kv(v, kv_dtype)
+    table, n = [2, 3, 4], 10  # slots 8..17
+    run, mask = pa.decode_slots([table], [n], 4, q.device)
+    assert run == slice(8, 18) and mask is None
+    scale = 16 ** -0.5
+    got = pa.paged_attention_decode_gathered(q[:1], k, v, run, None, scale, ks, vs)
+    gathered = pa.paged_attention_decode_gathered(q[:1], k, v, torch.arange(8, 18), None, scale, ks, vs)
+    assert torch.equal(got, gathered)
+    want = _loop_attention(q[:1], k, v, torch.tensor([table]), torch.tensor([n]), scale, ks, vs)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    assert isinstance(pa.decode_slots([[2, 4, 3]], [10], 4, q.device)[0], torch.Tensor)
+    assert isinstance(pa.decode_slots([[2, 3], [4]], [8, 3], 4, q.device)[0], torch.Tensor)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
 def test_paged_decode_triton_quantized_cache(kv_dtype):
     if not pa.HAS_TRITON or not (pa.INTERPRET or torch.cuda.is_available()):

@@ -113,6 +113,20 @@ class KVCache:
             self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
         else:
             self.k_scale = self.v_scale = None
+        # each layer's views made once: a decode step asks for them twice per layer, and at batch 1
+        # on CPU the few microseconds of each select/view are what the step is made of
+        self._layers = [(self.k[i], self.v[i], None if self.k_scale is None else self.k_scale[i],
+                         None if self.v_scale is None else self.v_scale[i]) for i in range(num_layers)]
+        self._slot_views = [self._by_slot(*views) for views in self._layers]
+
+    def _by_slot(self, kc, vc, ks, vs):
+        """One layer's K/V (and scales) with blocks flattened to slots, [slots, KVH, D] ([slots, KVH]);
+        fp8 through a byte view (index_copy_ does not cover fp8)."""
+        kvh, d = self.num_kv_heads, self.head_dim
+        if self.dtype == torch.float8_e4m3fn:
+            kc, vc = kc.view(torch.uint8), vc.view(torch.uint8)
+        return (kc.view(-1, kvh, d), vc.view(-1, kvh, d), None if ks is None else ks.view(-1, kvh),
+                None if vs is None else vs.view(-1, kvh))
 
     @property
     def bytes_per_block(self) -> int:
@@ -125,9 +139,7 @@ class KVCache:
 
     def layer(self, i: int):
         """(k, v, k_scale, v_scale) views of layer ``i`` (scales None when not quantized)."""
-        if self.quantized:
-            return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]
-        return self.k[i], self.v[i], None, None
+        return self._layers[i]
 
     def store(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
               may_skip: bool = True) -> None:
@@ -139,20 +151,18 @@ class KVCache:
                 k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
         if slot_mapping.numel() == 0:
             return
-        kc, vc, ks, vs = self.layer(i)
-        flat = (-1, self.num_kv_heads, self.head_dim)
+        kc, vc, ks, vs = self._slot_views[i]
         if self.quantized:
-            kq, ksc = quantize_kv(k, self.dtype)
-            vq, vsc = quantize_kv(v, self.dtype)
-            if self.dtype == torch.float8_e4m3fn:  # index_put through a byte view: fp8 is not covered everywhere
-                kc, vc, kq, vq = (t.view(torch.uint8) for t in (kc, vc, kq, vq))
-            kc.view(*flat)[slot_mapping] = kq
-            vc.view(*flat)[slot_mapping] = vq
-            ks.view(-1, self.num_kv_heads)[slot_mapping] = ksc
-            vs.view(-1, self.num_kv_heads)[slot_mapping] = vsc
+            k, k_scale = quantize_kv(k, self.dtype)
+            v, v_scale = quantize_kv(v, self.dtype)
+            ks.index_copy_(0, slot_mapping, k_scale)
+            vs.index_copy_(0, slot_mapping, v_scale)
         else:
-            kc.view(*flat)[slot_mapping] = k.to(self.dtype)
-            vc.view(*flat)[slot_mapping] = v.to(self.dtype)
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        if k.dtype != kc.dtype:  # fp8 through the byte views
+            k, v = k.view(kc.dtype), v.view(vc.dtype)
+        kc.index_copy_(0, slot_mapping, k)
+        vc.index_copy_(0, slot_mapping, v)
 
     def gather(self, i: int, block_table: torch.Tensor, length: int, dtype: torch.dtype):
         """The first ``length`` cached K and V of one sequence, [length, KVH, D] in ``dtype``."""

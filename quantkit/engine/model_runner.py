@@ -100,7 +100,7 @@ class AttentionMetadata:
     # decode: the Triton kernel reads block tables, the CPU path the gathered slots
     block_tables_t: Optional[torch.Tensor] = None  # [B, max_blocks] int32
     context_lens_t: Optional[torch.Tensor] = None  # [B] int32
-    decode_slots: Optional[torch.Tensor] = None  # [B, T] long
+    decode_slots: Union[torch.Tensor, slice, None] = None  # [B * T] long, or one run of slots
     decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, T] additive, None when all lengths agree
 
 
