@@ -284,6 +284,22 @@ def test_rotary_matches_transformers(rope):
         assert torch.equal(RotaryEmbedding.rotate(k, c[:, None, :], signed), want_k)
 
 
+def test_layer_plan_calls_plain_linears_directly_but_keeps_hooked_ones_whole():
+    """The runner calls an nn.Linear as F.linear (bit-equal), except when the module has hooks
+    (accelerate's offload moves weights in a pre-forward hook): then the module itself."""
+    from torch import nn
+
+    from quantkit.engine.model_runner import matmul_fn
+
+    lin = nn.Linear(8, 5)
+    x = torch.randn(3, 8)
+    direct = matmul_fn(lin, torch.float32)
+    assert direct is not lin and torch.equal(direct(x), lin(x))
+    lin.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    hooked = matmul_fn(lin, torch.float32)
+    assert hooked is lin and torch.equal(hooked(x), lin(x))
+
+
 def test_rms_norm_is_transformers_bit_for_bit():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 

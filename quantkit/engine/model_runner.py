@@ -60,7 +60,8 @@ def matmul_fn(module: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor],
     them; module and backend dispatch were ~10 us of each call."""
     from quantkit.runtime.quant_linear import QuantLinear
 
-    if type(module) is nn.Linear:
+    hooked = module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook")  # e.g. offload
+    if type(module) is nn.Linear and not hooked:
         return functools.partial(F.linear, weight=module.weight, bias=module.bias)
     if isinstance(module, QuantLinear):
         return module.matmul_fn(dtype)
@@ -106,7 +107,8 @@ class AttentionMetadata:
 
 @dataclass
 class LayerPlan:
-    """One decoder layer as the forward loop calls it, resolved once from the model's modules."""
+    """One decoder layer as the forward loop calls it, resolved once from the model's modules (so a
+    runner must be rebuilt after the model is moved or its QuantLinear backends are switched)."""
     in_norm: torch.Tensor  # norm weights and epsilons
     in_eps: float
     post_norm: torch.Tensor
