@@ -767,3 +767,40 @@ def test_fused_quantized_projections_match_per_module_forward(kind):
     assert all(qkv is not None and gate_up is not None for qkv, gate_up in runner.fused)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert_pool_full(fn.engine_state["engine"])
+
+
+def test_gpu_decode_benchmark_script_runs_its_steps_on_a_tiny_shape(tmp_path, monkeypatch):
+    """scripts/bench_decode_8b.py is #7's GPU measurement; no GPU here, so its steps run on the
+    tiny shape on CPU: every decoder projection is replaced by a QuantLinear whose forward equals
+    F.linear with the RTN-dequantized weight, and the script writes all three rows."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import torch.nn.functional as F
+
+    from quantkit.quantizers.grid import rtn_quantize
+    from quantkit.runtime.quant_linear import QuantLinear
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    spec = importlib.util.spec_from_file_location("bench_decode_8b", scripts / "bench_decode_8b.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    model = bench.build_model("tiny", 1, torch.device("cpu"), torch.float32)
+    weights = {name: m.weight.detach().clone() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+               and name.startswith("model.layers.")}
+    assert bench.quantize_in_place(model, 64, "reference") == 7 == len(weights)
+    for name, w in weights.items():
+        module = model.get_submodule(name)
+        assert isinstance(module, QuantLinear)
+        x = torch.randn(3, w.shape[1])
+        assert torch.equal(module(x), F.linear(x, rtn_quantize(w, 4, 64, True).dequantize(torch.float32)))
+
+    out = tmp_path / "bench.json"
+    assert bench.main(["--shape", "tiny", "--device", "cpu", "--prompt-len", "8", "--new-tokens", "4",
+                       "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["transformers generate float32", "engine float32 (unquantized)", "engine int4 rtn (backend cpu)"]
+    assert all(r["decode_tokens_per_s"] > 0 for r in rows.values())
