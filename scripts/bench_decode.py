@@ -2,7 +2,9 @@
 """Decode speed of the demo model through quantkit's engine against transformers' ``generate``.
 
 Batch 1, the same prompt and the same number of new tokens (EOS ignored) for every row, one
-timed run each (after a two-token warm-up):
+timed run each (after a two-token warm-up), or with ``--repeats R`` R rounds in which every row runs
+once (all models stay loaded), the table showing each row's median run and the per-round ratios
+against transformers fp32 printed below it (this machine's speed drifts by 10-30 % within minutes):
 
 * transformers ``generate`` (greedy) on the unquantized demo model in fp32 and bf16,
 * the engine on the unquantized fp32 model,
@@ -22,6 +24,7 @@ rounds differently from a single-row one, so near-ties on random prompts can fli
 all agree).
 
     python scripts/bench_decode.py                       # CPU (or GPU when present)
+    python scripts/bench_decode.py --repeats 5 --batch 0  # medians of 5 interleaved rounds
     python scripts/bench_decode.py --device cuda --new-tokens 128 --json out.json
 """
 from __future__ import annotations
@@ -125,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda")
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 32 on CPU, 128 on GPU)")
     ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per request (default 32 CPU, 128 GPU)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of every batch-1 row, interleaved; the table shows each row's median run")
     ap.add_argument("--batch", type=int, default=16, help="requests for the continuous-batching comparison (0: skip)")
     ap.add_argument("--workdir", default=None, help="folder for the int4/int8 checkpoints (reused when present)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -154,23 +159,23 @@ def main(argv=None) -> int:
         return LLMEngine(model, tok, num_kv_blocks=blocks, max_num_seqs=max(B, 1), kv_cache_dtype=args.kv_cache_dtype,
                          enable_prefix_caching=prefix_caching)
 
-    rows: dict[str, dict] = {}
+    # row name -> a function timing one run, models kept loaded; prefix caching off so that every
+    # round prefills the prompt again, as the first one does
+    measures: dict[str, object] = {}
+    errors: dict[str, str] = {}
+    keep = []
     extra: dict = {}
 
-    def attempt(name, fn):
-        try:
-            rows[name] = fn()
-            print(f"[bench] {name}: {rows[name]['decode_tokens_per_s']:.1f} decode tok/s", file=sys.stderr, flush=True)
-        except Exception as exc:  # a missing piece (e.g. a backend) should not sink the other rows
-            traceback.print_exc()
-            rows[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    def failed(name, exc):  # a missing piece (e.g. a backend) should not sink the other rows
+        traceback.print_exc()
+        errors[name] = f"{type(exc).__name__}: {exc}"
 
     for dtype in ("float32", "bfloat16"):
         model = quantkit.load("demo", device=str(device), dtype=dtype)
-        attempt(f"transformers generate {dtype}", lambda: hf_decode(model, prompt, N))
+        keep.append(model)
+        measures[f"transformers generate {dtype}"] = lambda m=model: hf_decode(m, prompt, N)
         if dtype == "float32":
-            attempt("engine fp32 (unquantized)", lambda: engine_decode(engine_for(model), prompt, N))
-        del model
+            measures["engine fp32 (unquantized)"] = lambda e=engine_for(model, False): engine_decode(e, prompt, N)
 
     tmp = None
     workdir = Path(args.workdir) if args.workdir else Path(tmp := tempfile.mkdtemp(prefix="qk-bench-"))
@@ -178,31 +183,58 @@ def main(argv=None) -> int:
     # on CPU the int4/int8 kernels compute in bf16 whatever the activations' dtype: bf16 activations
     # also skip two casts per linear and halve the LM head's bytes, so both are shown
     act_dtypes = (None, "bfloat16") if not gpu else (None,)
+    batch_model = None
     for bits, act_dtype in [(b, d) for b in (4, 8) for d in act_dtypes]:
         name = f"engine int{bits} rtn (backend {backend}" + (f", {act_dtype} act)" if act_dtype else ")")
         try:
             path = ensure_checkpoint(bits, workdir)
             model = quantkit.load(str(path), backend=backend, device=str(device), dtype=act_dtype)
         except Exception as exc:
-            traceback.print_exc()
-            rows[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            failed(name, exc)
             continue
-        engine = engine_for(model)
-        attempt(name, lambda: engine_decode(engine, prompt, N))
-        if bits == 4 and act_dtype is None and B > 1:
-            g = torch.Generator().manual_seed(0)
-            prompts = [torch.randint(100, 49000, (P,), generator=g).tolist() for _ in range(B)]
-            try:  # prefix caching off: the sequential runs must not reuse the batched run's K/V
-                extra["batch"] = {"model": name, **batch_vs_sequential(engine_for(model, False), prompts, N)}
+        keep.append(model)
+        measures[name] = lambda e=engine_for(model, False): engine_decode(e, prompt, N)
+        if bits == 4 and act_dtype is None:
+            batch_model = (name, model)
+
+    # rounds: every row once per round, so a slow spell of this machine hits all rows alike
+    runs: dict[str, list[dict]] = {name: [] for name in measures}
+    for r in range(args.repeats):
+        for name, measure in measures.items():
+            if name in errors:
+                continue
+            try:
+                runs[name].append(measure())
             except Exception as exc:
-                traceback.print_exc()
-                extra["batch"] = {"error": f"{type(exc).__name__}: {exc}"}
-        del model, engine
+                failed(name, exc)
+                continue
+            print(f"[bench] round {r + 1}: {name}: {runs[name][-1]['decode_tokens_per_s']:.1f} decode tok/s",
+                  file=sys.stderr, flush=True)
+    rows: dict[str, dict] = {}
+    for name in measures:
+        if name in errors:
+            rows[name] = {"error": errors[name]}
+            continue
+        by_rate = sorted(runs[name], key=lambda x: x["decode_tokens_per_s"])
+        rows[name] = {**by_rate[(len(by_rate) - 1) // 2],  # the median run (the lower middle of an even count)
+                      "decode_tokens_per_s_runs": [x["decode_tokens_per_s"] for x in runs[name]]}
+
+    if batch_model is not None and B > 1:
+        name, model = batch_model
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(100, 49000, (P,), generator=g).tolist() for _ in range(B)]
+        try:  # prefix caching off: the sequential runs must not reuse the batched run's K/V
+            extra["batch"] = {"model": name, **batch_vs_sequential(engine_for(model, False), prompts, N)}
+        except Exception as exc:
+            traceback.print_exc()
+            extra["batch"] = {"error": f"{type(exc).__name__}: {exc}"}
+    del keep
 
     base32 = rows.get("transformers generate float32", {}).get("decode_tokens_per_s")
     base16 = rows.get("transformers generate bfloat16", {}).get("decode_tokens_per_s")
     print(f"\ndemo model (SmolLM2-135M), device {device}, torch threads {torch.get_num_threads()}, "
-          f"prompt {P} tokens, {N} new tokens, batch 1, one run each")
+          f"prompt {P} tokens, {N} new tokens, batch 1, "
+          + ("one run each" if args.repeats == 1 else f"median of {args.repeats} interleaved rounds"))
     print(f"{'':46s} {'decode tok/s':>12s} {'e2e tok/s':>10s} {'vs HF fp32':>11s} {'vs HF bf16':>11s}")
     for name, r in rows.items():
         if "error" in r:
@@ -211,6 +243,13 @@ def main(argv=None) -> int:
         d = r["decode_tokens_per_s"]
         ratio = lambda b: f"{d / b:10.2f}x" if b else f"{'-':>11s}"  # noqa: E731
         print(f"{name:46s} {d:12.1f} {r['tokens_per_s']:10.1f} {ratio(base32)} {ratio(base16)}")
+    hf32 = rows.get("transformers generate float32", {}).get("decode_tokens_per_s_runs")
+    if args.repeats > 1 and hf32:
+        print("\nper round, against transformers fp32 of the same round:")
+        for name, r in rows.items():
+            if "error" not in r and name != "transformers generate float32":
+                ratios = [a / b for a, b in zip(r["decode_tokens_per_s_runs"], hf32)]
+                print(f"{name:46s} " + " ".join(f"{x:5.2f}x" for x in ratios))
     if "batch" in extra:
         b = extra["batch"]
         if "error" in b:
