@@ -175,7 +175,12 @@ def main(argv=None) -> int:
         keep.append(model)
         measures[f"transformers generate {dtype}"] = lambda m=model: hf_decode(m, prompt, N)
         if dtype == "float32":
-            measures["engine fp32 (unquantized)"] = lambda e=engine_for(model, False): engine_decode(e, prompt, N)
+            name = "engine fp32 (unquantized)"
+            measures[name] = None
+            try:
+                measures[name] = lambda e=engine_for(model, False): engine_decode(e, prompt, N)
+            except Exception as exc:
+                failed(name, exc)
 
     tmp = None
     workdir = Path(args.workdir) if args.workdir else Path(tmp := tempfile.mkdtemp(prefix="qk-bench-"))
@@ -186,14 +191,15 @@ def main(argv=None) -> int:
     batch_model = None
     for bits, act_dtype in [(b, d) for b in (4, 8) for d in act_dtypes]:
         name = f"engine int{bits} rtn (backend {backend}" + (f", {act_dtype} act)" if act_dtype else ")")
+        measures[name] = None
         try:
             path = ensure_checkpoint(bits, workdir)
             model = quantkit.load(str(path), backend=backend, device=str(device), dtype=act_dtype)
+            measures[name] = lambda e=engine_for(model, False): engine_decode(e, prompt, N)
         except Exception as exc:
             failed(name, exc)
             continue
         keep.append(model)
-        measures[name] = lambda e=engine_for(model, False): engine_decode(e, prompt, N)
         if bits == 4 and act_dtype is None:
             batch_model = (name, model)
 
