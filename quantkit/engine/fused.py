@@ -43,13 +43,12 @@ def stack_rows(weights: list[QuantizedWeight]) -> Optional[QuantizedWeight]:
                            input_quant=first.input_quant)
 
 
-class FusedProjection(nn.Module):
-    """Several QuantLinears reading one input, run as one backend matmul; returns their outputs."""
+class FusedProjection:
+    """Several QuantLinears reading one input, run as one backend matmul whose output holds theirs
+    side by side (one tensor, so the engine can rotate q and k together)."""
 
-    def __init__(self, impl, sizes: list[int], bias: Optional[torch.Tensor]):
-        super().__init__()
-        self.impl, self.sizes = impl, sizes
-        self.bias = bias
+    def __init__(self, impl, bias: Optional[torch.Tensor]):
+        self.impl, self.bias = impl, bias
 
     @classmethod
     def build(cls, modules: list[nn.Module]) -> Optional["FusedProjection"]:
@@ -67,18 +66,9 @@ class FusedProjection(nn.Module):
         except Exception:  # a backend that refuses the stacked shape: stay unfused
             return None
         bias = None if stacked.bias is None else stacked.bias.to(device)
-        return cls(impl, [m.out_features for m in modules], bias)
+        return cls(impl, bias)
 
     def matmul_fn(self, dtype: torch.dtype):
-        """:meth:`joint` as a plain callable on 2-D activations in `dtype` (see ``QuantLinear.matmul_fn``)."""
+        """The fused matmul (bias included) as a plain callable on 2-D activations in `dtype`, [N, in] ->
+        [N, sum of the modules' out_features] (see ``QuantLinear.matmul_fn``)."""
         return backends.matmul_fn(self.impl, dtype, self.bias)
-
-    def joint(self, x: torch.Tensor) -> torch.Tensor:
-        """The outputs side by side, [..., sum(sizes)] (one tensor, so later ops can treat q and k together)."""
-        y = self.impl(x)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.joint(x).split(self.sizes, dim=-1)
