@@ -3,7 +3,7 @@
 of a layer's q/k/v, o, gate/up and down matmuls), the LM head, and the rest of the forward (norms,
 rotary, KV writes, attention, residuals), per decode step.
 
-Timers wrap the runner's resolved callables (``ModelRunner.plans``, ``lm_head``), so what is
+Timers wrap the runner's resolved callables (``ModelRunner.plans``, ``head``), so what is
 measured is the engine's own path; only decode steps are counted. Each run generates
 ``--new-tokens`` tokens from the same prompt (EOS ignored) after a warm-up.
 
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     names = ("qkv", "q", "k", "v", "o", "gate_up", "gate", "up", "down")
     runner.plans = [dataclasses.replace(p, **{n: timed(getattr(p, n), "projections") for n in names})
                     for p in runner.plans]
-    runner.lm_head = timed(runner.lm_head, "lm_head")
+    runner.head = timed(runner.head, "lm_head")
     runner.forward = timed(runner.forward, "forward")
     run = runner.run
 

@@ -587,6 +587,32 @@ def test_engine_rejects_bad_input():
 # ====================================================================== the demo model (slow)
 DEMO_PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived",
                 "def fibonacci(n):", "Water boils at"]
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("out_features,in_features,bias", [(576, 576, False), (960, 576, True), (576, 1536, False),
+                                                           (8192, 576, False)])
+def test_sliced_linear_is_f_linear_bit_for_bit(out_features, in_features, bias, parts):
+    """An fp32 linear of 1-4 rows as one bmm over slices of its output rows (each slice's
+    matrix-vector product on its own thread) gives exactly F.linear's result, bias included;
+    more rows and other dtypes take F.linear itself."""
+    from functools import partial
+
+    from quantkit.engine.sliced_linear import MAX_ROWS, SlicedLinear, linear_fn
+
+    gen = torch.Generator().manual_seed(out_features + parts)
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    fn = linear_fn(w, b, parts=parts)
+    assert isinstance(fn, SlicedLinear) and fn.slices.shape == (parts, in_features, out_features // parts)
+    for m in range(1, MAX_ROWS + 3):
+        x = torch.randn(m, in_features, generator=gen)
+        assert torch.equal(fn(x), torch.nn.functional.linear(x, w, b)), m
+    # plain F.linear where slicing cannot pay or apply
+    assert isinstance(linear_fn(w.bfloat16(), None, parts=parts), partial)  # bf16 runs threaded already
+    assert isinstance(linear_fn(w, b, parts=1), partial)
+    assert isinstance(linear_fn(w[:64, :8].contiguous(), None, parts=parts), partial)  # too small to pay
+    assert isinstance(linear_fn(w[:-1], None, parts=parts), partial)  # rows do not divide into parts
+
+
 DEMO_MAX_NEW = [12, 16, 6, 10]
 
 
@@ -620,6 +646,32 @@ def test_demo_continuous_batching_matches_transformers(demo, demo_reference):
     assert [streamed.get(i, "") for i in range(4)] == [g["text"] for g in got]
     m = eng.get_metrics()
     assert m["prefill_steps"] >= 3 and m["requests"] == 4 and m["ttft_ms"] > 0 and m["decode_tokens_per_s"] > 0
+    assert_pool_full(eng)
+
+
+@pytest.mark.slow
+def test_demo_on_two_threads_sliced_linears_keep_transformers_tokens(demo):
+    """With two threads the fp32 demo's projections and LM head run as sliced bmm's (the rest of
+    this module runs on one thread, where they stay F.linear); greedy tokens must still equal
+    transformers' generate on the same two threads, with decode steps of one and of two rows."""
+    from quantkit.engine.sliced_linear import SlicedLinear
+
+    model, tok = demo
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = []
+        for p, k in zip(DEMO_PROMPTS[:3], DEMO_MAX_NEW[:3]):
+            ids = tok(p, return_tensors="pt").input_ids
+            want.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k,
+                                       do_sample=False)[0, ids.shape[1]:].tolist())
+        eng = LLMEngine(model, tok, max_num_seqs=2)
+        plan = eng.runner.plans[0]
+        assert all(isinstance(f, SlicedLinear) for f in (eng.runner.head, plan.q, plan.k, plan.o, plan.down))
+        got = eng.generate(DEMO_PROMPTS[:3], [greedy(k) for k in DEMO_MAX_NEW[:3]])
+    finally:
+        torch.set_num_threads(n)
+    assert [g["token_ids"] for g in got] == want
     assert_pool_full(eng)
 
 

@@ -24,7 +24,6 @@ per-step set-up is shared by all layers.
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -36,6 +35,7 @@ from torch import nn
 from quantkit.engine.kv_cache import KVCache, bytes_per_block, parse_bytes, resolve_kv_dtype
 from quantkit.engine.rotary import RotaryEmbedding
 from quantkit.engine.sequence import Sequence
+from quantkit.engine.sliced_linear import linear_fn
 from quantkit.errors import QuantkitError
 
 CPU_DEFAULT_FRACTION = 0.25
@@ -55,14 +55,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def matmul_fn(module: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     """`module` (a projection) as a plain callable on [N, in] activations in `dtype`, computing
-    exactly what its forward does: ``F.linear`` for an ``nn.Linear``, the backend's direct entry
+    exactly what its forward does: ``F.linear`` for an ``nn.Linear`` (threaded by output rows where
+    that is bit-equal, see engine.sliced_linear), the backend's direct entry
     for a ``QuantLinear``, the module itself otherwise. A batch-1 CPU decode step calls ~200 of
     them; module and backend dispatch were ~10 us of each call."""
     from quantkit.runtime.quant_linear import QuantLinear
 
     hooked = module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook")  # e.g. offload
     if type(module) is nn.Linear and not hooked:
-        return functools.partial(F.linear, weight=module.weight, bias=module.bias)
+        return linear_fn(module.weight, module.bias)  # split across threads where exact (engine.sliced_linear)
     if isinstance(module, QuantLinear):
         return module.matmul_fn(dtype)
     return module
@@ -157,6 +158,7 @@ class ModelRunner:
         self.eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         self.scale = self.head_dim ** -0.5
         self.dtype = self.embed.weight.dtype
+        self.head = matmul_fn(self.lm_head, self.dtype)  # the call the runner makes
         self.device = self.embed.weight.device
         self.block_size = block_size
         # q/k/v and gate/up of QuantLinear layers as one matmul each (engine.fused); default on CPU only,
@@ -355,7 +357,7 @@ class ModelRunner:
         if is_prefill:
             last = torch.tensor([s + n - 1 for s, n in zip(meta.query_starts, meta.query_lens)], device=self.device)
             hidden = hidden[last]
-        return self.lm_head(hidden).float()
+        return self.head(hidden).float()
 
     @torch.inference_mode()
     def run_all_logits(self, seqs: list[Sequence]) -> list[torch.Tensor]:
@@ -365,4 +367,4 @@ class ModelRunner:
         if any(n != c for n, c in zip(meta.query_lens, meta.context_lens)):
             raise RuntimeError("run_all_logits needs sequences without cached prefix")
         hidden = self.forward(input_ids, positions, meta)
-        return [self.lm_head(hidden[s:s + n]) for s, n in zip(meta.query_starts, meta.query_lens)]
+        return [self.head(hidden[s:s + n]) for s, n in zip(meta.query_starts, meta.query_lens)]
