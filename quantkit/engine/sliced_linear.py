@@ -7,7 +7,7 @@ slices, the same product is one ``bmm`` whose P matrix-vector products PyTorch r
 each the same MKL call on a slice: 1.4-2x faster on two cores and, where each output's dot product
 does not depend on which other rows are computed with it, bit-equal. That is the BLAS's choice, not a
 law (here 1-4 rows are, 6 rows are not), so each (shape, bias) is checked against ``F.linear`` on a
-probe for every split row count, once, and a linear that differs in any stays a plain call. A bf16
+probe of every split row count, once, and a linear that differs in any stays a plain call. A bf16
 linear already runs threaded (oneDNN), and so does MKL's GEMM for more rows: both stay plain.
 """
 from __future__ import annotations
@@ -44,19 +44,19 @@ class SlicedLinear:
         return y.transpose(0, 1).reshape(m, self.weight.shape[0])
 
 
-@functools.lru_cache(maxsize=None)
-def slicing_is_exact(out_features: int, in_features: int, has_bias: bool, parts: int) -> bool:
-    """Whether SlicedLinear equals ``F.linear`` bit for bit at this shape for every split row count,
-    on a random probe (the BLAS's summation order follows the shapes and threads, not the values)."""
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=gen)
-    bias = torch.randn(out_features, generator=gen) if has_bias else None
-    sliced = SlicedLinear(weight, bias, parts)
-    for m in range(1, MAX_ROWS + 1):
-        x = torch.randn(m, in_features, generator=gen)
-        if not torch.equal(sliced(x), F.linear(x, weight, bias)):
-            return False
-    return True
+_probed: dict[tuple, bool] = {}  # (out, in, has bias, parts) -> whether slicing is exact
+
+
+def slicing_is_exact(sliced: SlicedLinear) -> bool:
+    """Whether `sliced` gives ``F.linear``'s result bit for bit for every split row count, on random
+    rows. Probed once per (shape, bias, parts), on the first weight seen with them: the BLAS's
+    summation order follows the shapes, not the values."""
+    key = (*sliced.weight.shape, sliced.bias is not None, sliced.parts)
+    if key not in _probed:
+        gen = torch.Generator().manual_seed(0)
+        rows = [torch.randn(m, sliced.weight.shape[1], generator=gen) for m in range(1, MAX_ROWS + 1)]
+        _probed[key] = all(torch.equal(sliced(x), F.linear(x, sliced.weight, sliced.bias)) for x in rows)
+    return _probed[key]
 
 
 def linear_fn(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -67,7 +67,8 @@ def linear_fn(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
     out_features, in_features = weight.shape
     if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= MIN_ELEMENTS \
             and parts >= 2 and out_features % parts == 0 and weight.is_contiguous() \
-            and (bias is None or bias.dtype == weight.dtype and bias.is_contiguous()) \
-            and slicing_is_exact(out_features, in_features, bias is not None, parts):
-        return SlicedLinear(weight.detach(), None if bias is None else bias.detach(), parts)
+            and (bias is None or bias.dtype == weight.dtype and bias.is_contiguous()):
+        sliced = SlicedLinear(weight.detach(), None if bias is None else bias.detach(), parts)
+        if slicing_is_exact(sliced):
+            return sliced
     return functools.partial(F.linear, weight=weight, bias=bias)
