@@ -593,7 +593,7 @@ DEMO_PROMPTS = ["The capital of France is", "Once upon a time, in a small villag
 def test_sliced_linear_is_f_linear_bit_for_bit(out_features, in_features, bias, parts):
     """An fp32 linear of 1-4 rows as one bmm over slices of its output rows (each slice's
     matrix-vector product on its own thread) gives exactly F.linear's result, bias included;
-    more rows and other dtypes take F.linear itself."""
+    more rows, other dtypes and other layouts of the rows take F.linear itself."""
     from functools import partial
 
     from quantkit.engine.sliced_linear import MAX_ROWS, SlicedLinear, linear_fn
@@ -606,6 +606,8 @@ def test_sliced_linear_is_f_linear_bit_for_bit(out_features, in_features, bias, 
     for m in range(1, MAX_ROWS + 3):
         x = torch.randn(m, in_features, generator=gen)
         assert torch.equal(fn(x), torch.nn.functional.linear(x, w, b)), m
+        xt = torch.randn(in_features, m, generator=gen).t()  # F.linear's rounding follows these strides
+        assert torch.equal(fn(xt), torch.nn.functional.linear(xt, w, b)), m
     # plain F.linear where slicing cannot pay or apply
     assert isinstance(linear_fn(w.bfloat16(), None, parts=parts), partial)  # bf16 runs threaded already
     assert isinstance(linear_fn(w, b, parts=1), partial)

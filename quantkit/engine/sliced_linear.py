@@ -23,8 +23,9 @@ MIN_ELEMENTS = 1 << 16  # below this the bmm's set-up costs more than the second
 
 
 class SlicedLinear:
-    """``x [M, in] -> [M, out]`` as ``F.linear(x, weight, bias)``, for M <= MAX_ROWS as one ``bmm``
-    (``baddbmm`` with a bias) over `parts` slices of the output rows (`parts` divides out)."""
+    """``x [M, in] -> [M, out]`` as ``F.linear(x, weight, bias)``, for a row-major x of M <= MAX_ROWS
+    rows as one ``bmm`` (``baddbmm`` with a bias) over `parts` slices of the output rows (`parts`
+    divides out)."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], parts: int):
         out_features, in_features = weight.shape
@@ -33,7 +34,8 @@ class SlicedLinear:
         self.bias_slices = None if bias is None else bias.view(parts, 1, out_features // parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] > MAX_ROWS or x.dtype != self.weight.dtype:
+        row_major = x.dim() == 2 and x.stride() == (x.shape[1], 1)  # F.linear's rounding follows x's strides
+        if not row_major or x.shape[0] > MAX_ROWS or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         m = x.shape[0]
         xs = x.expand(self.parts, m, x.shape[1])
