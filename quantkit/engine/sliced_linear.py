@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 4  # rows per call that are split; more go to the (threaded) whole product
-MIN_ELEMENTS = 1 << 16  # below this the bmm's set-up costs more than the second thread gains
+MIN_SLICE = 1 << 15  # weight elements per slice (128 KB in fp32): a smaller slice's set-up costs more than
+# its thread gains
 
 
 class SlicedLinear:
@@ -61,14 +62,21 @@ def slicing_is_exact(sliced: SlicedLinear) -> bool:
     return _probed[key]
 
 
+def slice_count(out_features: int, in_features: int, threads: int) -> int:
+    """How many slices to cut: up to one per thread, each at least MIN_SLICE elements, dividing the
+    output rows (1: do not slice)."""
+    for parts in range(min(threads, out_features * in_features // MIN_SLICE), 1, -1):
+        if out_features % parts == 0:
+            return parts
+    return 1
+
+
 def linear_fn(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-              parts: Optional[int] = None) -> Callable[[torch.Tensor], torch.Tensor]:
+              threads: Optional[int] = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """``F.linear`` with `weight` and `bias`, as the engine calls it: a SlicedLinear where that is
-    exact and pays (fp32 on CPU, not tiny, two threads or more), else the plain call."""
-    parts = parts or torch.get_num_threads()
-    out_features, in_features = weight.shape
-    if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= MIN_ELEMENTS \
-            and parts >= 2 and out_features % parts == 0 and weight.is_contiguous() \
+    exact and pays (fp32 on CPU, large enough, two threads or more), else the plain call."""
+    parts = slice_count(*weight.shape, threads or torch.get_num_threads())
+    if weight.device.type == "cpu" and weight.dtype == torch.float32 and parts > 1 and weight.is_contiguous() \
             and (bias is None or bias.dtype == weight.dtype and bias.is_contiguous()):
         sliced = SlicedLinear(weight.detach(), None if bias is None else bias.detach(), parts)
         if slicing_is_exact(sliced):
