@@ -819,6 +819,8 @@ def test_fused_quantized_projections_match_per_module_forward(kind):
     got = fn(x)
     runner = fn.engine_state["engine"].runner
     assert all(qkv is not None and gate_up is not None for qkv, gate_up in runner.fused)
+    # what the fused projections replace is not resolved (a QuantLinear would pack its own copy)
+    assert all(p.q is p.k is p.v is p.gate is p.up is None and p.down is not None for p in runner.plans)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert_pool_full(fn.engine_state["engine"])
 

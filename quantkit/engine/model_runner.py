@@ -115,9 +115,9 @@ class LayerPlan:
     post_norm: torch.Tensor
     post_eps: float
     qkv: Optional[Callable]  # fused q/k/v: [N, hidden] -> [N, (H + 2 KVH) D]; else q, k, v apart
-    q: Callable
-    k: Callable
-    v: Callable
+    q: Optional[Callable]
+    k: Optional[Callable]
+    v: Optional[Callable]
     qk_norm: Optional[tuple[torch.Tensor, float, torch.Tensor, float]]  # Qwen3: weights and epsilons
     o: Callable
     gate_up: Optional[Callable]  # gated MLP with a fused gate/up: [N, hidden] -> [N, 2 I]
@@ -232,15 +232,21 @@ class ModelRunner:
         act = None
         if gated:
             act = F.silu if isinstance(mlp.act_fn, nn.SiLU) else mlp.act_fn
+        # the projections a fused one replaces are not resolved: a QuantLinear would build (pack) its
+        # own backend, a second copy of the fused weight that the forward never calls
+        apart = fused_qkv is None
+        gate_up_apart = gated and fused_gate_up is None
         return LayerPlan(
             in_norm=layer.input_layernorm.weight, in_eps=_norm_eps(layer.input_layernorm, self.eps),
             post_norm=layer.post_attention_layernorm.weight,
             post_eps=_norm_eps(layer.post_attention_layernorm, self.eps),
-            qkv=None if fused_qkv is None else fused_qkv.matmul_fn(dt),
-            q=matmul_fn(attn.q_proj, dt), k=matmul_fn(attn.k_proj, dt), v=matmul_fn(attn.v_proj, dt),
+            qkv=None if apart else fused_qkv.matmul_fn(dt),
+            q=matmul_fn(attn.q_proj, dt) if apart else None, k=matmul_fn(attn.k_proj, dt) if apart else None,
+            v=matmul_fn(attn.v_proj, dt) if apart else None,
             qk_norm=qk_norm, o=matmul_fn(attn.o_proj, dt),
             gate_up=None if fused_gate_up is None else fused_gate_up.matmul_fn(dt),
-            gate=matmul_fn(mlp.gate_proj, dt) if gated else None, up=matmul_fn(mlp.up_proj, dt) if gated else None,
+            gate=matmul_fn(mlp.gate_proj, dt) if gate_up_apart else None,
+            up=matmul_fn(mlp.up_proj, dt) if gate_up_apart else None,
             down=matmul_fn(mlp.down_proj, dt) if gated else None, act=act, mlp=mlp)
 
     # ------------------------------------------------------------------ batch preparation
