@@ -300,6 +300,34 @@ def test_layer_plan_calls_plain_linears_directly_but_keeps_hooked_ones_whole():
     assert hooked is lin and torch.equal(hooked(x), lin(x))
 
 
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("out_features,in_features,bias", [(576, 576, False), (960, 576, True), (576, 1536, False),
+                                                           (8192, 576, False)])
+def test_sliced_linear_is_f_linear_bit_for_bit(out_features, in_features, bias, threads):
+    """An fp32 linear of 1-4 rows as one bmm over slices of its output rows (each slice's
+    matrix-vector product on its own thread) gives exactly F.linear's result, bias included;
+    more rows, other dtypes and other layouts of the rows take F.linear itself."""
+    from functools import partial
+
+    from quantkit.engine.sliced_linear import MAX_ROWS, SlicedLinear, linear_fn
+
+    gen = torch.Generator().manual_seed(out_features + threads)
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    fn = linear_fn(w, b, threads=threads)  # one slice per thread at these sizes
+    assert isinstance(fn, SlicedLinear) and fn.slices.shape == (threads, in_features, out_features // threads)
+    for m in range(1, MAX_ROWS + 3):
+        x = torch.randn(m, in_features, generator=gen)
+        assert torch.equal(fn(x), torch.nn.functional.linear(x, w, b)), m
+        xt = torch.randn(in_features, m, generator=gen).t()  # F.linear's rounding follows these strides
+        assert torch.equal(fn(xt), torch.nn.functional.linear(xt, w, b)), m
+    # plain F.linear where slicing cannot pay or apply
+    assert isinstance(linear_fn(w.bfloat16(), None, threads=threads), partial)  # bf16 runs threaded already
+    assert isinstance(linear_fn(w, b, threads=1), partial)
+    assert isinstance(linear_fn(w[:64, :8].contiguous(), None, threads=threads), partial)  # too small to pay
+    assert isinstance(linear_fn(w[:-1], None, threads=threads), partial)  # rows do not divide into slices
+
+
 def test_rms_norm_is_transformers_bit_for_bit():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -587,34 +615,6 @@ def test_engine_rejects_bad_input():
 # ====================================================================== the demo model (slow)
 DEMO_PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived",
                 "def fibonacci(n):", "Water boils at"]
-@pytest.mark.parametrize("threads", [2, 4])
-@pytest.mark.parametrize("out_features,in_features,bias", [(576, 576, False), (960, 576, True), (576, 1536, False),
-                                                           (8192, 576, False)])
-def test_sliced_linear_is_f_linear_bit_for_bit(out_features, in_features, bias, threads):
-    """An fp32 linear of 1-4 rows as one bmm over slices of its output rows (each slice's
-    matrix-vector product on its own thread) gives exactly F.linear's result, bias included;
-    more rows, other dtypes and other layouts of the rows take F.linear itself."""
-    from functools import partial
-
-    from quantkit.engine.sliced_linear import MAX_ROWS, SlicedLinear, linear_fn
-
-    gen = torch.Generator().manual_seed(out_features + threads)
-    w = torch.randn(out_features, in_features, generator=gen)
-    b = torch.randn(out_features, generator=gen) if bias else None
-    fn = linear_fn(w, b, threads=threads)  # one slice per thread at these sizes
-    assert isinstance(fn, SlicedLinear) and fn.slices.shape == (threads, in_features, out_features // threads)
-    for m in range(1, MAX_ROWS + 3):
-        x = torch.randn(m, in_features, generator=gen)
-        assert torch.equal(fn(x), torch.nn.functional.linear(x, w, b)), m
-        xt = torch.randn(in_features, m, generator=gen).t()  # F.linear's rounding follows these strides
-        assert torch.equal(fn(xt), torch.nn.functional.linear(xt, w, b)), m
-    # plain F.linear where slicing cannot pay or apply
-    assert isinstance(linear_fn(w.bfloat16(), None, threads=threads), partial)  # bf16 runs threaded already
-    assert isinstance(linear_fn(w, b, threads=1), partial)
-    assert isinstance(linear_fn(w[:64, :8].contiguous(), None, threads=threads), partial)  # too small to pay
-    assert isinstance(linear_fn(w[:-1], None, threads=threads), partial)  # rows do not divide into slices
-
-
 DEMO_MAX_NEW = [12, 16, 6, 10]
 
 
