@@ -158,7 +158,7 @@ def quantize(
     metrics = None
     if eval_after:
         del hf_model
-        metrics = _record_perplexity(output, dataset)
+        metrics = _record_quality(output, model, dataset, device)
     bits_used = sorted({s.bits for s in schemes.values()})
     return {
         "output": str(output),
@@ -182,15 +182,23 @@ def _digest(input_ids: Optional[torch.Tensor]) -> Optional[str]:
     return hashlib.sha256(input_ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
 
 
-def _record_perplexity(output: Path, dataset) -> dict[str, Any]:
-    """Score the written checkpoint (through the real packed runtime) and add it to its model card."""
+def _record_quality(output: Path, source_model: str, dataset, device: Optional[str]) -> dict[str, Any]:
+    """Score the written checkpoint (through the real packed runtime) against the model it came from, on
+    the held-out split of the calibration dataset, and add the figures to its model card."""
     from quantkit.checkpoint import append_card_metrics
 
-    r = evaluate(output, dataset=dataset if isinstance(dataset, (str, Path)) else DEFAULTS["dataset"])
-    metrics = {"held-out perplexity": round(r["perplexity"], 4), "perplexity tokens": r["tokens"],
-               "perplexity dataset": str(dataset)}
+    eval_set = dataset if isinstance(dataset, (str, Path)) else DEFAULTS["dataset"]
+    baseline = source_model if source_model == "demo" or Path(source_model).is_dir() else None
+    r = evaluate(output, baseline=baseline, dataset=eval_set, device=device)
+    metrics = {"perplexity dataset": f"{eval_set} (held-out split)", "perplexity tokens": r["tokens"],
+               "held-out perplexity": round(r["perplexity"], 4)}
+    if baseline is not None:
+        metrics.update({"original model's perplexity": round(r["baseline_perplexity"], 4),
+                        "KL divergence to the original (mean per token)": round(r["kl_mean"], 5),
+                        "KL divergence to the original (99th percentile)": round(r["kl_p99"], 5),
+                        "top-1 agreement with the original": round(r["top1_agreement"], 5)})
     append_card_metrics(output, metrics)
-    return metrics
+    return {**metrics, **{k: r[k] for k in ("kl_mean", "kl_p99", "top1_agreement", "baseline_perplexity") if k in r}}
 
 
 # Recipe pipelines (`method: [a, b]`) that one quantizer implements, with the options they imply.
@@ -235,35 +243,56 @@ def evaluate(
     batch_size: int = 4,
     progress: bool = False,
     engine: bool = False,
+    baseline_cache: bool = True,
 ) -> dict[str, Any]:
-    """Held-out perplexity of `model`, and of `baseline` on the same tokens when given.
+    """Held-out perplexity of `model`; with a `baseline`, also how far its next-token distribution moved
+    from the baseline's on the same windows: `kl_mean`, `kl_p99` (KL(baseline || model) per token),
+    `top1_agreement`, and the baseline's perplexity.
 
-    With `engine=True` the logits come from the paged-KV engine's prefill path, so perplexity is
-    measured through the same code that `quantkit bench` times."""
+    The baseline's side is cached on disk (`$QUANTKIT_CACHE/baselines`, keyed by the baseline's files,
+    the eval tokens and the settings), so scoring another model against it costs that model's forward
+    only. With `engine=True` the model's logits come from the paged-KV engine's prefill path (the code
+    `quantkit bench` times); the baseline is always scored by its own forward."""
     from quantkit import data
-    from quantkit.evaluate import perplexity
     from quantkit.runtime.loader import load_tokenizer
+    from quantkit.scoring import compare, logits_of, perplexity, windows_of
 
     t0 = time.perf_counter()
-    qmodel = load(model, backend=backend, device=device, dtype=dtype)
     tokenizer = load_tokenizer(str(model))
-    stream = data.eval_token_stream(dataset, tokenizer)
-    result = perplexity(qmodel, stream, seq_len=seq_len, max_windows=max_windows, batch_size=batch_size, progress=progress,
-                        logits_fn=_engine_fn(qmodel) if engine else None)
-    out = {"model": str(model), "perplexity": result["perplexity"], "tokens": result["tokens"], "windows": result["windows"],
-           "backend": backend, "engine": engine}
-    del qmodel
+    windows = windows_of(data.eval_token_stream(dataset, tokenizer), seq_len, max_windows)
+    out = {"model": str(model), "dataset": _dataset_label(dataset), "backend": backend, "engine": engine}
+    base = None
     if baseline:
-        base = load(baseline, backend=backend, device=device, dtype=dtype)
-        base_result = perplexity(base, stream, seq_len=seq_len, max_windows=max_windows, batch_size=batch_size,
-                                 progress=progress, logits_fn=_engine_fn(base) if engine else None)
-        out["baseline"] = str(baseline)
-        out["baseline_perplexity"] = base_result["perplexity"]
-        out["ratio"] = result["perplexity"] / base_result["perplexity"]
+        base = _baseline_logits(baseline, windows, backend=backend, dtype=dtype, device=device, batch_size=batch_size,
+                                progress=progress, cached=baseline_cache)
+    qmodel = load(model, backend=backend, device=device, dtype=dtype)
+    forward = logits_of(qmodel, _engine_fn(qmodel) if engine else None)
+    if base is None:
+        result = perplexity(qmodel, windows.reshape(-1), seq_len=seq_len, batch_size=batch_size, progress=progress,
+                            logits_fn=forward)
+        out.update(perplexity=result["perplexity"], tokens=result["tokens"], windows=result["windows"],
+                   baseline_perplexity=None)
     else:
-        out["baseline_perplexity"] = None
+        result = compare(forward, base, windows, batch_size=batch_size, progress=progress)
+        out.update(result, windows=int(windows.shape[0]), baseline=str(baseline), baseline_cache=base.cache,
+                   ratio=result["perplexity"] / result["baseline_perplexity"])
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
+
+
+def _dataset_label(dataset) -> str:
+    return str(dataset) if isinstance(dataset, (str, Path)) else f"<{type(dataset).__name__}>"
+
+
+def _baseline_logits(baseline: str, windows, *, backend, dtype, device, batch_size, progress, cached: bool):
+    from quantkit.assets import cache_dir
+    from quantkit.baseline_cache import baseline_logits
+    from quantkit.runtime.loader import resolve_checkpoint
+
+    folder = resolve_checkpoint(str(baseline)) if cached else None
+    settings = {"dtype": str(dtype), "device": device, "backend": backend}
+    return baseline_logits(lambda: load(baseline, backend=backend, device=device, dtype=dtype), folder, windows, settings,
+                           cache_dir() / "baselines" if cached else None, batch_size=batch_size, progress=progress)
 
 
 def _engine_fn(model):

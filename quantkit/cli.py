@@ -61,7 +61,8 @@ def cli():
 @click.option("--max-shard-size", default="5GB", show_default=True)
 @click.option("--batch-size", type=int, default=None,
               help="Calibration sequences per forward (default: all of them when a layer's forward fits 4 GiB).")
-@click.option("--eval", "eval_after", is_flag=True, help="Measure held-out perplexity and record it in the model card.")
+@click.option("--eval", "eval_after", is_flag=True, help="Score the checkpoint on held-out text (perplexity, KL divergence to the original, "
+                   "top-1 agreement) and record it in the model card.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer.")
 @click.option("--streaming/--no-streaming", default=None,
               help="Read decoder layers from disk one at a time (default: when the model would not fit comfortably).")
@@ -101,17 +102,23 @@ def quantize(model, method, bits, group_size, sym, format_, recipe, dataset, num
 @click.option("--device", default=None)
 @click.option("--batch-size", type=int, default=4, show_default=True)
 @click.option("--engine", is_flag=True, help="Score through the paged-KV engine (the code path `bench` times).")
+@click.option("--baseline-cache/--no-baseline-cache", default=True, show_default=True,
+              help="Keep the baseline's side of the KL comparison on disk for the next eval.")
 @click.option("--json", "as_json", is_flag=True)
-def eval_cmd(model, baseline, dataset, seq_len, max_windows, backend, dtype, device, batch_size, engine, as_json):
-    """Held-out perplexity, optionally next to a baseline's."""
+def eval_cmd(model, baseline, dataset, seq_len, max_windows, backend, dtype, device, batch_size, engine, baseline_cache,
+             as_json):
+    """Held-out perplexity; with --baseline, also KL divergence to it and top-1 agreement."""
     from quantkit import api
 
     _quiet_libraries()
     r = api.evaluate(model, baseline=baseline, dataset=dataset, seq_len=seq_len, max_windows=max_windows, backend=backend,
-                     dtype=dtype, device=device, batch_size=batch_size, progress=not as_json, engine=engine)
+                     dtype=dtype, device=device, batch_size=batch_size, progress=not as_json, engine=engine,
+                     baseline_cache=baseline_cache)
     human = f"perplexity {r['perplexity']:.4f} over {r['tokens']} tokens ({r['windows']} windows)"
     if r.get("baseline_perplexity"):
-        human += f"; baseline {r['baseline_perplexity']:.4f}; ratio {r['ratio']:.4f}"
+        human += (f"; baseline {r['baseline_perplexity']:.4f}; ratio {r['ratio']:.4f}\n"
+                  f"KL divergence to the baseline: mean {r['kl_mean']:.5f}, p99 {r['kl_p99']:.5f}; "
+                  f"top-1 agreement {100 * r['top1_agreement']:.2f} %")
     _emit(r, as_json, human)
 
 

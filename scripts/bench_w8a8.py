@@ -70,7 +70,7 @@ def bench_linear(ms: list[int]) -> None:
 def bench_full(num_samples: int, windows: int, seq_len: int = 512, auto: bool = False) -> None:
     import quantkit
     from quantkit import data
-    from quantkit.evaluate import perplexity
+    from quantkit.scoring import perplexity
     from quantkit.runtime.loader import load_tokenizer
     from quantkit.scheme import load_recipe
 

@@ -40,7 +40,7 @@ class DemoBench:
         self._cache: dict = {}
 
     def perplexity(self, model) -> float:
-        from quantkit.evaluate import perplexity
+        from quantkit.scoring import perplexity
 
         return perplexity(model, self.held_out, seq_len=512, max_windows=self.WINDOWS)["perplexity"]
 

@@ -759,7 +759,7 @@ def test_demo_quantized_kv_cache(demo, demo_reference, kv):
 
 @pytest.mark.slow
 def test_demo_perplexity_through_engine_matches_transformers(demo):
-    from quantkit.evaluate import perplexity
+    from quantkit.scoring import perplexity
 
     model, tok = demo
     try:

@@ -306,7 +306,7 @@ def test_demo_w8a8_perplexity_smoothing_helps(tmp_path):
     alpha 0.8 32.42 (alpha 0.5: 32.48). scripts/bench_w8a8.py --full runs the bigger comparison.
     """
     from quantkit import data
-    from quantkit.evaluate import perplexity
+    from quantkit.scoring import perplexity
     from quantkit.runtime.loader import load_tokenizer
     from quantkit.scheme import load_recipe
 

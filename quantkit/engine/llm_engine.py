@@ -237,7 +237,7 @@ class LLMEngine:
 
 def engine_logits_fn(engine_or_model, **engine_kwargs) -> Callable[[torch.Tensor], torch.Tensor]:
     """``fn(input_ids [B, T]) -> logits [B, T, V]`` through the engine's prefill path, for
-    ``quantkit.evaluate.perplexity(model, tokens, logits_fn=fn)``. Given a model instead of an
+    ``quantkit.scoring.perplexity(model, tokens, logits_fn=fn)``. Given a model instead of an
     engine, an engine with just enough KV blocks for the first batch is built on the first call."""
     if isinstance(engine_or_model, LLMEngine):
         return engine_or_model.prompt_logits
