@@ -137,7 +137,7 @@ def _strip_once(wikitext: str) -> str:
 
     code = mwparserfromhell.parse(wikitext)
     _prune(code, _SectionFilter())
-    return code.strip_code()
+    return code.strip_code(collapse=False)  # collapse=True trims newlines around nested tags; _tidy collapses
 
 
 def _tidy(text: str) -> str:
@@ -179,14 +179,15 @@ def split_of(title: str) -> str:
     return "eval" if bucket < EVAL_SHARE_PERCENT else "calibration"
 
 
-def parse_export(path: Path) -> list[Article]:
-    """Every article of a bz2 MediaWiki export with enough prose, cleaned, in export order."""
+def parse_export(path: Path, min_words: int = MIN_WORDS) -> list[Article]:
+    """Every article of a bz2 MediaWiki export with at least ``min_words`` words left after
+    cleaning, in export order."""
     articles = []
     try:
         with bz2.open(path, "rb") as stream:
             for title, wikitext in iter_pages(stream):
                 text = clean_wikitext(wikitext)
-                if len(text.split()) >= MIN_WORDS:
+                if len(text.split()) >= min_words:
                     articles.append(Article(title, text, split_of(title)))
     except (OSError, EOFError, ET.ParseError) as e:  # bz2 raises OSError / EOFError on corrupt data
         raise QuantkitError(
