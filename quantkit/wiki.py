@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Iterator
 
+from quantkit.assets import ENV_WIKI_CORPUS, cache_dir, wiki_corpus_path, write_file_atomically
 from quantkit.errors import QuantkitError
 
 CLEANER_VERSION = 1  # bump when the cleaning changes: the cached JSONL is keyed by it
@@ -60,10 +61,9 @@ def iter_pages(stream: IO[bytes]) -> Iterator[tuple[str, str]]:
     for _, elem in ET.iterparse(stream, events=("end",)):
         if _local(elem.tag) != "page":
             continue
-        fields = {_local(child.tag): child for child in elem.iter()}
-        is_article = fields.get("ns") is not None and (fields["ns"].text or "").strip() == "0"
-        if is_article and "redirect" not in fields and "text" in fields:
-            yield (fields["title"].text or "").strip(), fields["text"].text or ""
+        fields = {_local(child.tag): child.text or "" for child in elem.iter()}
+        if fields.get("ns", "").strip() == "0" and "redirect" not in fields and "text" in fields:
+            yield fields.get("title", "").strip(), fields["text"]
         elem.clear()
 
 
@@ -71,6 +71,7 @@ def iter_pages(stream: IO[bytes]) -> Iterator[tuple[str, str]]:
 
 
 def _is_invisible(node) -> bool:
+    """Nodes that render no prose: templates, comments, references, tables, file/category links."""
     from mwparserfromhell.nodes import Comment, Tag, Template, Wikilink
 
     if isinstance(node, (Template, Comment)):
@@ -158,9 +159,10 @@ def _tidy(text: str) -> str:
 def clean_wikitext(wikitext: str) -> str:
     """Plain prose of one article's wikitext: paragraphs separated by one blank line.
 
-    ``mwparserfromhell`` keeps a construct it cannot parse (an unclosed link, a bad table attribute)
-    as text, and with it everything nested inside; parsing the stripped text again recovers those
-    (up to ``MAX_PASSES``). A paragraph still holding markup after that is dropped.
+    ``mwparserfromhell`` keeps a construct it cannot parse (a reference with an italic opened
+    inside, a table with a broken attribute) as text, and with it everything nested inside;
+    parsing the stripped text again recovers most (up to ``MAX_PASSES``). A paragraph still
+    holding markup after that is dropped.
     """
     text = wikitext
     for _ in range(MAX_PASSES):
@@ -192,24 +194,25 @@ def parse_export(path: Path, min_words: int = MIN_WORDS) -> list[Article]:
     except (OSError, EOFError, ET.ParseError) as e:  # bz2 raises OSError / EOFError on corrupt data
         raise QuantkitError(
             f"could not read the Wikipedia export {path} ({type(e).__name__}: {e}); it is corrupt or "
-            f"truncated: delete it to fetch it again, or point QUANTKIT_WIKI_CORPUS at a good copy"
+            f"truncated: delete it to fetch it again, or point {ENV_WIKI_CORPUS} at a good copy"
         ) from None
     if not articles:
-        raise QuantkitError(f"the Wikipedia export {path} holds no articles; point QUANTKIT_WIKI_CORPUS at a MediaWiki XML export")
+        raise QuantkitError(
+            f"the Wikipedia export {path} holds no articles; point {ENV_WIKI_CORPUS} at a MediaWiki XML export"
+        )
     return articles
 
 
 def _cache_path(export: Path) -> Path:
-    from quantkit.assets import cache_dir
-
-    digest = hashlib.sha256(export.read_bytes()).hexdigest()[:16]
-    return cache_dir() / "wiki" / f"articles-{digest}-v{CLEANER_VERSION}.jsonl"
+    digest = hashlib.sha256()
+    with open(export, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return cache_dir() / "wiki" / f"articles-{digest.hexdigest()[:16]}-v{CLEANER_VERSION}.jsonl"
 
 
 def wiki_articles(export: Path | None = None) -> list[Article]:
     """The cleaned ``wiki`` corpus: parsed from the export once, then read from the JSONL cache."""
-    from quantkit.assets import wiki_corpus_path, write_file_atomically
-
     export = export or wiki_corpus_path()
     cached = _cache_path(export)
     if not cached.is_file():
