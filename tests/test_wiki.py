@@ -9,6 +9,7 @@ import json
 from xml.sax.saxutils import escape
 
 import pytest
+from conftest import last_json, run_cli
 
 from quantkit import data, wiki
 from quantkit.errors import QuantkitError
@@ -169,6 +170,22 @@ def test_split_is_by_title_and_stable():
     assert splits == [wiki.split_of(t) for t in titles]
     assert set(splits) == {"calibration", "eval"}
     assert 0.4 < splits.count("eval") / len(splits) < 0.6  # EVAL_SHARE_PERCENT = 50 buckets of 100
+
+
+def test_cli_quantize_and_eval_on_wiki(tmp_path, tiny_llama_dir):
+    """``--dataset wiki`` through both commands, on a hand-written export (offline, seconds)."""
+    prose = " ".join(f"Sentence {i} says that the river {i} runs past the old mill." for i in range(25))
+    titles = [f"Article {i}" for i in range(8)]
+    assert {wiki.split_of(t) for t in titles} == {"calibration", "eval"}  # both splits get articles
+    env = {"QUANTKIT_WIKI_CORPUS": str(export(tmp_path / "dump.xml.bz2", *(page(t, 0, prose) for t in titles)))}
+    out = tmp_path / "q"
+    proc = run_cli("quantize", "--model", tiny_llama_dir, "--method", "gptq", "--group-size", "32", "--dataset",
+                   "wiki", "--num-samples", "4", "--seq-len", "64", "--output", out, "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("eval", "--model", out, "--dataset", "wiki", "--seq-len", "64", "--max-windows", "2", "--json",
+                   env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert last_json(proc.stdout)["windows"] == 2
 
 
 @pytest.mark.slow
