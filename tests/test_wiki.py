@@ -1,7 +1,7 @@
 """quantkit.wiki and ``--dataset wiki``: MediaWiki export -> clean article text, split by article.
 
 Fast tests parse hand-written exports (the expected text is written out by hand, not produced by
-the code under test). The slow test uses the real export from the gensim wheel (pip, cached) and
+the code under test) and run ``quantize``/``eval --dataset wiki`` on one. The slow test uses the real export from the gensim wheel (pip, cached) and
 the demo tokenizer.
 """
 import bz2
