@@ -13,29 +13,16 @@ from torch import nn
 from quantkit import __version__
 from quantkit.errors import QuantkitError
 from quantkit.memory import peak_rss_mb
-from quantkit.quantizers.base import Quantizer, get_quantizer
-from quantkit.scheme import QuantScheme, load_recipe, parse_group_size, scheme_from_dict
-
-DEFAULTS = {"bits": 4, "group_size": "auto", "num_samples": 128, "seq_len": 512, "seed": 0, "dataset": "lee"}
+from quantkit.quantizers.base import Step
 
 
 def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     return {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
-def _merge(recipe: dict, key: str, section: Optional[str], explicit):
-    """CLI/API values win over the recipe, the recipe over the defaults."""
-    if explicit is not None:
-        return explicit
-    source = recipe.get(section, {}) if section else recipe
-    if source and key in source and source[key] is not None:
-        return source[key]
-    return DEFAULTS.get(key)
-
-
 def quantize(
     model: str = "demo",
-    method: Union[str, Quantizer, None] = None,
+    method: Union[str, list, Step, None] = None,
     *,
     bits: Optional[int] = None,
     group_size: Union[int, str, None] = None,
@@ -63,112 +50,133 @@ def quantize(
 ) -> dict[str, Any]:
     """Quantize `model` with `method` and write a packed checkpoint; returns a summary dict.
 
-    Progress is kept per layer in the output's hidden staging folder: after a crash, the same call
-    with `resume=True` continues from the last finished layer and writes identical bytes.
+    `method` is a step name (`gptq`), several (`awq,gptq` or a list: transforms, then one weight
+    quantizer), or a `Step` instance; `recipe` a YAML recipe (path or bundled name) that the other
+    arguments override. Arguments a method does not use are refused, not ignored (e.g. `dataset`
+    for RTN). Progress is kept per layer in the output's hidden staging folder: after a crash, the
+    same call with `resume=True` continues from the last finished layer and writes identical bytes.
     `streaming=None` reads decoder layers from disk one at a time when the model would not fit
     comfortably in memory (True/False force it)."""
-    from quantkit import data
-    from quantkit.calibrate import (CALIBRATION_BATCH_BUDGET, STAGED_BATCH_BUDGET, auto_batch_size, quantize_model,
-                                    runs_in_one_pass)
-    from quantkit.checkpoint import check_output_dir, staging_dir, write_checkpoint
-    from quantkit.progress import ProgressStore, run_fingerprint
-    from quantkit.formats import get_format
     from quantkit.models import get_adapter
+    from quantkit.plan import resolve_plan
     from quantkit.sources import load_source_model, parse_dtype, source_dtype
 
     t0 = time.perf_counter()
-    rec = load_recipe(recipe) if recipe else {}
-    quantizer = _make_quantizer(method if method is not None else rec.get("method", "rtn"), {**(rec.get("options") or {}), **(options or {})})
-    scheme_dict = {**quantizer.default_scheme, **(rec.get("scheme") or {})}
-    for key, value in (("bits", bits), ("group_size", parse_group_size(group_size)), ("sym", sym)):
-        if value is not None:
-            scheme_dict[key] = value
-    if ignore is not None:
-        scheme_dict["ignore"] = ignore
-    scheme: QuantScheme = scheme_from_dict(scheme_dict).with_default_sym(quantizer.default_sym)
-    quantizer.check_scheme(scheme)
-    format_name = format or rec.get("format") or quantizer.default_format
-    fmt = get_format(format_name)
-    if quantizer.quantizes_activations and not getattr(fmt, "ACTIVATION_STRATEGIES", None):
-        raise QuantkitError(f"method {quantizer.name!r} quantizes activations (W8A8), which the {fmt.NAME} format "
-                            "cannot store; use --format compressed-tensors")
-    cal = rec.get("calibration") or {}
-    dataset = dataset if dataset is not None else cal.get("dataset", DEFAULTS["dataset"])
-    num_samples = int(_merge(rec, "num_samples", "calibration", num_samples))
-    seq_len = int(_merge(rec, "seq_len", "calibration", seq_len))
-    seed = int(_merge(rec, "seed", "calibration", seed))
-    if num_samples < 1 or seq_len < 2:
-        raise QuantkitError("--num-samples must be at least 1 and --seq-len at least 2")
+    plan = resolve_plan(method, recipe_file=recipe, options=options, bits=bits, group_size=group_size, sym=sym,
+                        ignore=ignore, format=format,
+                        calibration={"dataset": dataset, "num_samples": num_samples, "seq_len": seq_len, "seed": seed,
+                                     "chat_template": chat_template, "batch_size": batch_size})
     if output is not None:
-        check_output_dir(Path(output), overwrite)
-        ProgressStore(staging_dir(Path(output))).check_leftover(resume)
-    compute_device = torch.device(device or "cpu")
-
+        _check_output(Path(output), overwrite, resume)
     # held in its storage dtype (bf16 halves the resident model); each decoder layer is cast to fp32
     # only while it is calibrated (exact), and capture_layer_inputs runs the embeddings in fp32
     hf_model, tokenizer, base_name, layer_source = load_source_model(
         model, dtype=None, trust_remote_code=trust_remote_code, streaming=streaming)
     save_dtype = parse_dtype(dtype) or source_dtype(hf_model.config)
-    adapter = get_adapter(hf_model)
+    schemes = _linear_schemes(plan, hf_model)
+    if output is None:
+        output = _default_output(base_name, plan, schemes)
+        _check_output(output, overwrite, resume)
+    output = Path(output)
+    input_ids, cal_batch = _calibration_set(plan, hf_model, tokenizer)
+    store = _progress_store(output, model, plan, save_dtype, cal_batch, input_ids, resume)
+    job = dict(device=torch.device(device or "cpu"), batch_size=cal_batch or 1, progress=progress, store=store,
+               layer_source=layer_source)
+    _calibrate_and_write(hf_model, get_adapter(hf_model), plan, schemes, input_ids, job, output, tokenizer, base_name,
+                         save_dtype, max_shard_size, overwrite)
+    metrics = None
+    if eval_after:
+        del hf_model
+        metrics = _record_quality(output, model, plan, device)
+    return _summary(output, plan, schemes, layer_source, cal_batch, t0, metrics)
+
+
+def _check_output(output: Path, overwrite: bool, resume: bool) -> None:
+    from quantkit.checkpoint import check_output_dir, staging_dir
+    from quantkit.progress import ProgressStore
+
+    check_output_dir(output, overwrite)
+    ProgressStore(staging_dir(output)).check_leftover(resume)
+
+
+def _linear_schemes(plan, hf_model) -> dict:
+    """Every target linear's scheme; what the format cannot store is refused before calibrating."""
+    from quantkit.formats import get_format
+
+    fmt = get_format(plan.format)
     shapes = linear_shapes(hf_model)
-    schemes = scheme.resolve(shapes)
-    for name, lin_scheme in schemes.items():  # refuse what the format cannot store before calibrating
+    schemes = plan.scheme.resolve(shapes)
+    for name, lin_scheme in schemes.items():
         try:
-            fmt.packed_shapes(quantizer.planned_spec(*shapes[name], lin_scheme))
+            fmt.packed_shapes(plan.recipe.planned_spec(*shapes[name], lin_scheme))
         except QuantkitError as err:
             raise QuantkitError(f"{name}: {err} (choose another --format or scheme)") from None
-    groups = sorted({s.group_size for s in schemes.values()})
-    if output is None:
-        g = groups[0] if len(groups) == 1 else "mixed"
-        tag = "w8a8" if quantizer.quantizes_activations else f"w{scheme.bits}" + ("pc" if g == -1 else f"g{g}")
-        output = Path(f"{Path(base_name).name.lower()}-{quantizer.name}-{tag}")
-        check_output_dir(output, overwrite)
-        ProgressStore(staging_dir(output)).check_leftover(resume)
-    output = Path(output)
+    return schemes
 
-    input_ids = None
-    if quantizer.needs_calibration:
-        input_ids = data.calibration_batches(dataset, tokenizer, num_samples=num_samples, seq_len=seq_len, seed=seed,
-                                             chat_template=chat_template)
-    method_info = {**quantizer.describe(), "seed": seed}
-    if quantizer.needs_calibration:
-        method_info.update({"calibration": str(dataset) if isinstance(dataset, (str, Path)) else type(dataset).__name__,
-                            "num_samples": num_samples, "seq_len": seq_len})
-    if batch_size is None:
-        budget = CALIBRATION_BATCH_BUDGET if runs_in_one_pass(quantizer) else STAGED_BATCH_BUDGET
-        batch_size = auto_batch_size(hf_model.config, num_samples, seq_len, torch.float32, budget)
-    elif batch_size < 1:
-        raise QuantkitError(f"--batch-size must be at least 1, got {batch_size}")
+
+def _default_output(base_name: str, plan, schemes: dict) -> Path:
+    groups = sorted({s.group_size for s in schemes.values()})
+    g = groups[0] if len(groups) == 1 else "mixed"
+    tag = "w8a8" if plan.recipe.quantizes_activations else f"w{plan.scheme.bits}" + ("pc" if g == -1 else f"g{g}")
+    return Path(f"{Path(base_name).name.lower()}-{plan.recipe.name.replace('+', '-')}-{tag}")
+
+
+def _calibration_set(plan, hf_model, tokenizer):
+    """The calibration token ids [num_samples, seq_len] and sequences per forward (None, None without data)."""
+    from quantkit import data
+    from quantkit.pipeline import calibration_batch_size
+
+    c = plan.calibration
+    if c is None:
+        return None, None
+    ids = data.calibration_batches(c.dataset, tokenizer, num_samples=c.num_samples, seq_len=c.seq_len, seed=c.seed,
+                                   chat_template=c.chat_template)
+    batch = c.batch_size or calibration_batch_size(hf_model.config, plan.recipe, c.num_samples, c.seq_len)
+    return ids, batch
+
+
+def _progress_store(output: Path, model: str, plan, save_dtype, batch_size, input_ids, resume: bool):
+    from quantkit.checkpoint import staging_dir
+    from quantkit.progress import ProgressStore, run_fingerprint
+
     store = ProgressStore(staging_dir(output))
-    store.start(run_fingerprint(model=model, scheme=scheme, format=format_name, method=method_info, dtype=save_dtype,
-                                batch_size=batch_size, chat_template=chat_template, version=__version__,
+    store.start(run_fingerprint(model=model, scheme=plan.scheme, format=plan.format, method=plan.method_info(),
+                                dtype=save_dtype, batch_size=batch_size, version=__version__,
                                 calibration_digest=_digest(input_ids)), resume=resume)
+    return store
+
+
+def _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job: dict, output: Path, tokenizer,
+                         base_name: str, save_dtype, max_shard_size: str, overwrite: bool) -> None:
+    from quantkit.checkpoint import write_checkpoint
+    from quantkit.pipeline import quantize_model
+
+    store = job["store"]
     try:
-        quantize_model(hf_model, adapter, quantizer, schemes, input_ids, device=compute_device,
-                       batch_size=batch_size, progress=progress, store=store, layer_source=layer_source,
-                       release_layers=True)
+        quantize_model(hf_model, adapter, plan.recipe, schemes, input_ids, release_layers=True, **job)
         ignore_names = sorted(n for n in linear_shapes(hf_model) if n not in schemes)
-        write_checkpoint(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), format_name, method_info,
-                         quantizer.format_extra(), base_name, save_dtype, ignore_names, max_shard_size=max_shard_size,
-                         overwrite=overwrite)
+        write_checkpoint(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), plan.format,
+                         plan.method_info(), plan.recipe.format_extra(), base_name, save_dtype, ignore_names,
+                         max_shard_size=max_shard_size, overwrite=overwrite)
     except QuantkitError:
         if not store.done_layers():
             shutil.rmtree(store.folder, ignore_errors=True)  # nothing worth resuming: leave no trace
         raise
-    metrics = None
-    if eval_after:
-        del hf_model
-        metrics = _record_quality(output, model, dataset, device)
+
+
+def _summary(output: Path, plan, schemes: dict, layer_source, cal_batch, t0: float, metrics) -> dict[str, Any]:
     bits_used = sorted({s.bits for s in schemes.values()})
+    groups = sorted({s.group_size for s in schemes.values()})
     return {
         "output": str(output),
-        "method": quantizer.name,
+        "method": plan.recipe.name,
         "bits": bits_used[0] if len(bits_used) == 1 else bits_used,
         "group_size": groups[0] if len(groups) == 1 else groups,
-        "format": format_name,
+        "sym": plan.scheme.sym,
+        "format": plan.format,
         "quantized_linears": len(schemes),
         "streaming": layer_source is not None,
-        "calibration_batch_size": batch_size if quantizer.needs_calibration else None,
+        "calibration_batch_size": cal_batch,
         "seconds": round(time.perf_counter() - t0, 3),
         "peak_rss_mb": round(peak_rss_mb(), 1),
         **({"metrics": metrics} if metrics else {}),
@@ -182,12 +190,15 @@ def _digest(input_ids: Optional[torch.Tensor]) -> Optional[str]:
     return hashlib.sha256(input_ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
 
 
-def _record_quality(output: Path, source_model: str, dataset, device: Optional[str]) -> dict[str, Any]:
+def _record_quality(output: Path, source_model: str, plan, device: Optional[str]) -> dict[str, Any]:
     """Score the written checkpoint (through the real packed runtime) against the model it came from, on
-    the held-out split of the calibration dataset, and add the figures to its model card."""
+    the held-out split of the calibration dataset (the default's for in-memory data or a method that
+    reads none), and add the figures to its model card."""
     from quantkit.checkpoint import append_card_metrics
+    from quantkit.plan import CALIBRATION_DEFAULTS
 
-    eval_set = dataset if isinstance(dataset, (str, Path)) else DEFAULTS["dataset"]
+    dataset = plan.calibration.dataset if plan.calibration is not None else None
+    eval_set = dataset if isinstance(dataset, (str, Path)) else CALIBRATION_DEFAULTS["dataset"]
     baseline = source_model if source_model == "demo" or Path(source_model).is_dir() else None
     r = evaluate(output, baseline=baseline, dataset=eval_set, device=device)
     metrics = {"perplexity dataset": f"{eval_set} (held-out split)", "perplexity tokens": r["tokens"],
@@ -199,28 +210,6 @@ def _record_quality(output: Path, source_model: str, dataset, device: Optional[s
                         "top-1 agreement with the original": round(r["top1_agreement"], 5)})
     append_card_metrics(output, metrics)
     return {**metrics, **{k: r[k] for k in ("kl_mean", "kl_p99", "top1_agreement", "baseline_perplexity") if k in r}}
-
-
-# Recipe pipelines (`method: [a, b]`) that one quantizer implements, with the options they imply.
-PIPELINES = {("smoothquant", "gptq"): ("smoothquant", {"weight_method": "gptq"}),
-             ("smoothquant", "rtn"): ("smoothquant", {"weight_method": "rtn"})}
-
-
-def _make_quantizer(method: Union[str, Quantizer, list], options: dict) -> Quantizer:
-    if isinstance(method, Quantizer):
-        return method
-    if isinstance(method, type) and issubclass(method, Quantizer):
-        return method(**options)
-    if isinstance(method, (list, tuple)):
-        steps = tuple(str(m).strip().lower() for m in method)
-        if len(steps) == 1:
-            return get_quantizer(steps[0], **options)
-        if steps not in PIPELINES:
-            known = ", ".join("[" + ", ".join(k) + "]" for k in PIPELINES)
-            raise QuantkitError(f"unsupported method pipeline {list(steps)}; supported: {known}")
-        name, implied = PIPELINES[steps]
-        return get_quantizer(name, **{**options, **implied})
-    return get_quantizer(str(method), **options)
 
 
 def load(path: Union[str, Path], backend: str = "auto", device: Optional[str] = None, dtype: Optional[str] = None,

@@ -40,7 +40,9 @@ def cli():
 
 @cli.command()
 @click.option("--model", default="demo", show_default=True, help="HF folder, hub id, .gguf file, or 'demo'.")
-@click.option("--method", default=None, help="rtn, gptq, awq, smoothquant (default: the recipe's, else rtn).")
+@click.option("--method", default=None,
+              help="rtn, gptq, awq, smoothquant, or transforms then a weight quantizer: awq,gptq "
+                   "(default: the recipe's, else rtn).")
 @click.option("--bits", type=int, default=None, help="2, 3, 4 or 8 (default 4).")
 @click.option("--group-size", default=None, help="32, 64, 128, -1 (per channel) or auto (default).")
 @click.option("--sym/--asym", default=None, help="Symmetric or asymmetric grid (default: the method's usual).")
@@ -204,14 +206,14 @@ def _method_options(pairs, **flags: bool) -> dict:
 
 
 def _parse_options(pairs) -> dict:
-    import yaml
+    from quantkit.plan import parse_option_value
 
     out = {}
     for pair in pairs or ():
         if "=" not in pair:
             raise QuantkitError(f"--option {pair!r} must look like KEY=VALUE")
         key, value = pair.split("=", 1)
-        out[key.strip()] = yaml.safe_load(value)
+        out[key.strip()] = parse_option_value(value.strip())
     return out
 
 

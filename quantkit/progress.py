@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -87,6 +87,36 @@ class ProgressStore:
         tmp = path.with_suffix(".tmp")
         save_file({k: v.clone() for k, v in tensors.items()}, str(tmp), metadata={"quantized": json.dumps(meta, sort_keys=True)})
         os.replace(tmp, path)
+
+    # -- the unquantized model's hidden states (recipes with reference inputs, e.g. GPTAQ) ----------
+    def _reference_path(self, index: int) -> Path:
+        return self.folder / LAYER_DIR / f"reference-{index:05d}.safetensors"
+
+    def save_reference(self, index: int, hidden: list[torch.Tensor]) -> None:
+        """The full-precision stream after layer `index` (saved before that layer's record, so a record
+        always has it); only the newest is kept: resume needs just the one after the last done layer."""
+        from safetensors.torch import save_file
+
+        path = self._reference_path(index)
+        tmp = path.with_suffix(".tmp")
+        save_file({f"batch::{i:05d}": h.detach().cpu().contiguous() for i, h in enumerate(hidden)}, str(tmp))
+        os.replace(tmp, path)
+        for old in (self.folder / LAYER_DIR).glob("reference-*.safetensors"):
+            if old != path:
+                old.unlink(missing_ok=True)
+
+    def load_reference(self, index: int) -> Optional[list[torch.Tensor]]:
+        from safetensors.torch import load_file
+
+        path = self._reference_path(index)
+        if not path.is_file():
+            return None
+        try:
+            tensors = load_file(str(path))
+        except Exception as exc:
+            raise QuantkitError(f"--resume: reference record {path} is unreadable ({type(exc).__name__}); delete the "
+                                "staging folder and start over") from None
+        return [tensors[k] for k in sorted(tensors)]
 
     def load_layer(self, index: int) -> LayerRecord:
         from safetensors import safe_open

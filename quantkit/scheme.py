@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Optional, Union
 
 from quantkit.errors import QuantkitError
@@ -121,40 +120,6 @@ def parse_group_size(value: Union[str, int, None]):
         return int(v)
     except ValueError:
         raise QuantkitError(f"unsupported group size {value!r}; choose 32, 64, 128, -1 (per channel) or auto") from None
-
-
-# ----------------------------------------------------------------------------- recipes
-
-RECIPE_KEYS = {"method", "format", "scheme", "options", "calibration"}
-
-
-def load_recipe(path_or_name: Union[str, Path]) -> dict[str, Any]:
-    """Read a YAML recipe: a path, or the name of one bundled in configs/ (e.g. `gptq-w4g128`)."""
-    import yaml
-
-    path = Path(path_or_name)
-    if not path.exists():
-        from importlib.resources import files
-
-        bundled = files("quantkit.recipes") / f"{path_or_name}.yaml"
-        if not bundled.is_file():
-            raise QuantkitError(f"recipe {str(path_or_name)!r} not found; give a YAML file path or a bundled name")
-        text = bundled.read_text()
-        source = str(path_or_name)
-    else:
-        text = path.read_text()
-        source = str(path)
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        first = str(exc).splitlines()[0]
-        raise QuantkitError(f"recipe {source} is not valid YAML ({first}); fix the file") from None
-    if not isinstance(data, dict):
-        raise QuantkitError(f"recipe {source} must be a mapping with keys {sorted(RECIPE_KEYS)}")
-    unknown = set(data) - RECIPE_KEYS
-    if unknown:
-        raise QuantkitError(f"recipe {source} has unknown keys {sorted(unknown)}; allowed: {sorted(RECIPE_KEYS)}")
-    return data
 
 
 def scheme_from_dict(d: dict[str, Any]) -> QuantScheme:

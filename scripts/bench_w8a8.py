@@ -72,7 +72,7 @@ def bench_full(num_samples: int, windows: int, seq_len: int = 512, auto: bool = 
     from quantkit import data
     from quantkit.scoring import perplexity
     from quantkit.runtime.loader import load_tokenizer
-    from quantkit.scheme import load_recipe
+    from quantkit.plan import read_recipe_file as load_recipe
 
     alpha = load_recipe("smoothquant-w8a8-llama")["options"]["alpha"]
     stream = data.eval_token_stream("lee", load_tokenizer("demo"))

@@ -56,7 +56,7 @@ class DemoBench:
 
         from quantkit import data
         from quantkit.api import linear_shapes
-        from quantkit.calibrate import quantize_model
+        from quantkit.pipeline import quantize_model
         from quantkit.models import get_adapter
         from quantkit.scheme import QuantScheme
 

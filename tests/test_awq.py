@@ -11,11 +11,13 @@ import torch.nn as nn
 import transformers
 from transformers import AutoModelForCausalLM
 
-from quantkit.calibrate import _layer_output, _to, capture_layer_inputs, quantize_model
+from quantkit.layer_io import layer_output as _layer_output
+from quantkit.layer_io import to_device as _to
+from quantkit.pipeline import capture_layer_inputs, quantize_model
 from conftest import perturb_norms
 from quantkit.errors import QuantkitError
 from quantkit.models import get_adapter
-from quantkit.quantizers.awq import AWQQuantizer, clip_ratios_grid, search_clip
+from quantkit.quantizers.awq import AWQTransform, clip_ratios_grid, search_clip
 from quantkit.quantizers.base import LayerContext, get_quantizer
 from quantkit.scheme import LinearScheme, QuantScheme
 
@@ -115,7 +117,7 @@ def plain_fake_quant(w, bits, group_size, sym):
 
 def test_registered_defaults_and_options():
     q = get_quantizer("awq")
-    assert isinstance(q, AWQQuantizer)
+    assert isinstance(q, AWQTransform)
     assert q.default_sym is False and q.default_format == "awq" and q.needs_calibration
     assert q.options["duo_scaling"] is True and q.options["clip"] is True and q.options["n_grid"] == 20
     assert q.options["clip_n_grid"] == 20 and q.options["clip_max_shrink"] == 0.5
@@ -136,7 +138,7 @@ def test_search_and_fold_without_quantizing_keeps_logits(name):
     ids = calib_ids()
     ref = logits(model, ids)
     norm_before = {n: p.clone() for n, p in model.named_parameters() if "norm" in n}
-    q = AWQQuantizer(clip=False)
+    q = AWQTransform(clip=False)
     transform_only(model, q, ids, schemes_for(model))
     assert rel_err(logits(model, ids), ref) < 2e-5
     # the scales really went somewhere: every group got one, and norms changed
@@ -153,7 +155,7 @@ def test_token_subsample_and_ignored_linears():
     ids = calib_ids(n=6, t=16)
     ref = logits(model, ids)
     schemes = {n: s for n, s in schemes_for(model).items() if "down_proj" not in n}  # down ignored
-    q = AWQQuantizer(clip=True, max_search_tokens=20, token_search_tokens=9, clip_search_tokens=7)
+    q = AWQTransform(clip=True, max_search_tokens=20, token_search_tokens=9, clip_search_tokens=7)
     transform_only(model, q, ids, schemes)
     groups = [g["prev"] for g in q.search_log[0]["groups"]]
     assert "mlp.up_proj" not in groups  # nothing in that group is quantized: no search, no fold
@@ -175,7 +177,7 @@ def test_chosen_alpha_is_grid_argmin(prev, duo, sym, token_sample):
     layer = adapter.decoder_layers(model)[0]
     original = copy.deepcopy(layer)
     ids = calib_ids()
-    q = AWQQuantizer(clip=False, duo_scaling=duo, max_search_tokens=0, token_search_tokens=token_sample)
+    q = AWQTransform(clip=False, duo_scaling=duo, max_search_tokens=0, token_search_tokens=token_sample)
     ctx = transform_only(model, q, ids, schemes_for(model, sym=sym), stop_after=0)
     rec = next(g for g in q.search_log[0]["groups"] if g["prev"] == prev)
     group = next(g for g in adapter.input_groups(original) if g.prev == prev)
@@ -285,8 +287,8 @@ def test_clip_sees_the_scaled_inputs():
     model_a, model_b = build("llama"), build("llama")
     ids = calib_ids()
     schemes = schemes_for(model_a)
-    qa = AWQQuantizer(clip=True, clip_search_tokens=0, max_search_tokens=0)
-    qb = AWQQuantizer(clip=False, max_search_tokens=0)
+    qa = AWQTransform(clip=True, clip_search_tokens=0, max_search_tokens=0)
+    qb = AWQTransform(clip=False, max_search_tokens=0)
     ctx_a = transform_only(model_a, qa, ids, schemes, stop_after=0)
     ctx_b = transform_only(model_b, qb, ids, schemes, stop_after=0)
     layer_b = ctx_b.layer
@@ -310,7 +312,7 @@ def test_driver_end_to_end_tiny():
     model = build("llama_gqa")
     ids = calib_ids()
     schemes = schemes_for(model, group_size=32, sym=False)
-    q = AWQQuantizer()
+    q = AWQTransform()
     results = quantize_model(model, get_adapter(model), q, schemes, ids, batch_size=3, progress=False)
     assert set(results) == set(schemes)
     for name, qw in results.items():
@@ -332,9 +334,9 @@ def test_demo_perplexity_awq_beats_rtn(demo_bench):
     """
     size = dict(bits=4, group_size=64, sym=False, samples=8, seq_len=128)
     rtn = demo_bench.rtn(4, 64, False)
-    awq = AWQQuantizer()
+    awq = AWQTransform()
     ppl_awq = demo_bench.quantized(awq, **size)
-    ppl_noclip = demo_bench.quantized(AWQQuantizer(clip=False), **size)
+    ppl_noclip = demo_bench.quantized(AWQTransform(clip=False), **size)
     alphas = [[g["alpha"] for g in awq.search_log[i]["groups"]] for i in sorted(awq.search_log)]
     print(f"\nheld-out ppl: original {demo_bench.original():.4f} rtn-w4g64-asym {rtn:.4f} awq {ppl_awq:.4f} "
           f"awq-noclip {ppl_noclip:.4f}\n  alphas per layer: {alphas}")
@@ -371,12 +373,12 @@ def test_api_writes_awq_gemm_checkpoint_that_loads(tmp_path, tiny_llama_dir):
 def test_format_refuses_scheme_before_calibration(tmp_path, tiny_llama_dir, monkeypatch):
     """awq + 3-bit used to fail only when the checkpoint was written, after the whole calibration."""
     import quantkit
-    from quantkit import calibrate
+    from quantkit import pipeline
 
     def boom(*a, **k):
         raise AssertionError("calibration started")
 
-    monkeypatch.setattr(calibrate, "quantize_model", boom)
+    monkeypatch.setattr(pipeline, "quantize_model", boom)
     with pytest.raises(QuantkitError, match="awq .gemm. stores 4-bit weights only.*choose another --format"):
         quantkit.quantize(str(tiny_llama_dir), "awq", bits=3, group_size=32, output=tmp_path / "x", progress=False)
     with pytest.raises(QuantkitError, match="dynamic act-order"):

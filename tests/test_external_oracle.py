@@ -66,7 +66,7 @@ def test_gptq_static_act_order_through_compressed_tensors(tmp_path, tiny_llama_d
 def test_dynamic_act_order_gptq_checkpoint_dequantizes_to_gptq_result(tmp_path, tiny_llama_dir):
     """Dynamic act-order: the saved g_idx makes the loader reproduce exactly the weights GPTQ produced."""
     from quantkit import api, data
-    from quantkit.calibrate import quantize_model
+    from quantkit.pipeline import quantize_model
     from quantkit.checkpoint import staging_dir, write_checkpoint
     from quantkit.progress import ProgressStore
     from quantkit.models import get_adapter

@@ -391,7 +391,7 @@ def test_driver_shares_one_hessian_per_input_and_it_equals_the_inputs_gram(batch
     import transformers
 
     from quantkit.api import linear_shapes
-    from quantkit.calibrate import quantize_model
+    from quantkit.pipeline import quantize_model
     from quantkit.models import get_adapter
     from quantkit.quantizers.gptq import GPTQQuantizer
     from quantkit.scheme import QuantScheme
@@ -454,37 +454,47 @@ def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type, at
     (48 tokens: the gated MLP runs as a single chunk). With `attention_chunks` the attention of
     the Llama family and Phi-3 runs one sequence at a time (OPT's has no adapter hook: whole) and
     every model's norms run one row at a time. The Llama family's layer input is freed when the MLP
-    starts (emptied in place): the exact results show nothing reads it afterwards. Chunked RMSNorms
-    run fused (`_fused_rms_norm`) and must change nothing either."""
+    starts (emptied in place) once the probe forward has shown the layer allows it (its own forwards
+    are not counted below): the exact results show nothing reads it afterwards. Chunked RMSNorms
+    run fused (`fused_rms_norm`) and must change nothing either."""
     import copy
     import re
 
-    from quantkit import calibrate
     from quantkit.api import linear_shapes
-    from quantkit.calibrate import quantize_model
+    from quantkit.pipeline import chunked, quantize_model
+    from quantkit.pipeline import one_pass as one_pass_module
     from quantkit.models import get_adapter
     from quantkit.scheme import QuantScheme
 
     if attention_chunks:
-        monkeypatch.setattr(calibrate, "ATTN_CHUNK_BYTES", 1)
-        monkeypatch.setattr(calibrate, "NORM_CHUNK_BYTES", 1)
-    freed = []
-    free_layer_input = calibrate._InForward.free_layer_input
+        monkeypatch.setattr(chunked, "ATTN_CHUNK_BYTES", 1)
+        monkeypatch.setattr(chunked, "NORM_CHUNK_BYTES", 1)
+    freed, probes = [], []
+    free_layer_input = one_pass_module.OnePassLayer.free_layer_input
+    probe = one_pass_module.structure_allows_sharing
 
     def recording_free(self, keep):
         x = self.layer_input
         free_layer_input(self, keep)
-        freed.append(x is not None and x.untyped_storage().nbytes() == 0)
+        if not probes[-1:] == ["running"]:
+            freed.append(x is not None and x.untyped_storage().nbytes() == 0)
 
-    monkeypatch.setattr(calibrate._InForward, "free_layer_input", recording_free)
+    def recording_probe(*args):
+        probes.append("running")
+        verdict = probe(*args)
+        probes[-1] = verdict
+        return verdict
+
+    monkeypatch.setattr(one_pass_module, "structure_allows_sharing", recording_probe)
+    monkeypatch.setattr(one_pass_module.OnePassLayer, "free_layer_input", recording_free)
     fused_rows = []  # rows normed by the fused RMSNorm (used only once it matched the module bit for bit)
-    make_fused = calibrate._fused_rms_norm
+    make_fused = chunked.fused_rms_norm
 
     def recording_fused(norm):
         run = make_fused(norm)
         return None if run is None else (lambda x, out: (fused_rows.append(x.shape[0]), run(x, out=out))[1])
 
-    monkeypatch.setattr(calibrate, "_fused_rms_norm", recording_fused)
+    monkeypatch.setattr(chunked, "fused_rms_norm", recording_fused)
     observed = []
     model = _tiny_model(model_type)
     ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
@@ -493,13 +503,18 @@ def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type, at
     staged = quantize_model(staged_model, get_adapter(model), _Staged(), schemes, ids, batch_size=3, progress=False)
     first = one_pass_model.get_submodule(next(n for n in schemes if "layers.0." in n))  # q_proj / qkv_proj
     batches = []
-    handle = first.register_forward_hook(lambda m, args, out: batches.append(args[0].shape[0]))
+    def count_batch(module, args, out):
+        if probes[-1:] != ["running"]:
+            batches.append(args[0].shape[0])
+
+    handle = first.register_forward_hook(count_batch)
     one_pass = quantize_model(one_pass_model, get_adapter(model), _Recording(observed), schemes, ids, batch_size=3,
                               progress=False)
     handle.remove()
     chunked = attention_chunks and model_type != "opt"
     assert batches == ([1, 1, 1] if chunked else [3]), batches
     gated = model_type in ("llama", "qwen2")  # phi3's gate/up are one linear: no chunked MLP, input kept
+    assert probes == [gated], probes  # once per layer class; it allows sharing in a sequential gated block
     assert freed == ([True] * model.config.num_hidden_layers if gated else []), freed
     # norms in row chunks: the RMSNorms (not OPT's LayerNorm) run fused past the first (checked) row
     assert bool(fused_rows) == (attention_chunks and model_type != "opt"), fused_rows
@@ -522,13 +537,13 @@ def test_one_pass_driver_runs_a_gated_mlp_in_chunks_changing_only_rounding(monke
     and everything after differs only by rounding."""
     import copy
 
-    from quantkit import calibrate
     from quantkit.api import linear_shapes
     from quantkit.models import get_adapter
+    from quantkit.pipeline import chunked, quantize_model
     from quantkit.scheme import QuantScheme
 
-    monkeypatch.setattr(calibrate, "MLP_CHUNK_BYTES", 24 * 128 * 4)  # 24 rows of the fp32 [*, 128] gate
-    monkeypatch.setattr(calibrate, "MLP_CHUNK_MIN_ROWS", 1)
+    monkeypatch.setattr(chunked, "MLP_CHUNK_BYTES", 24 * 128 * 4)  # 24 rows of the fp32 [*, 128] gate
+    monkeypatch.setattr(chunked, "MLP_CHUNK_MIN_ROWS", 1)
     model = _tiny_model("llama")
     # 256 tokens: more than down's 128 inputs, so its Hessian is well-conditioned (with fewer, GPTQ
     # on a singular Hessian turns rounding differences into many different codes)
@@ -536,14 +551,15 @@ def test_one_pass_driver_runs_a_gated_mlp_in_chunks_changing_only_rounding(monke
     schemes = QuantScheme(bits=4, group_size=32).resolve(linear_shapes(model))
     staged_model, one_pass_model = copy.deepcopy(model), copy.deepcopy(model)
     chunk_rows, observed = [], []
-    act_in_place = calibrate._act_in_place  # the chunked MLP applies the activation through it
-    monkeypatch.setattr(calibrate, "_act_in_place", lambda act, x: (chunk_rows.append(x.shape[0]), act_in_place(act, x))[1])
+    act_in_place = chunked.act_in_place  # the chunked MLP applies the activation through it
+    monkeypatch.setattr(chunked, "act_in_place", lambda act, x: (chunk_rows.append(x.shape[0]), act_in_place(act, x))[1])
     staged_q, one_pass_q = _Staged(), _Recording(observed)
-    staged = calibrate.quantize_model(staged_model, get_adapter(model), staged_q, schemes, ids, batch_size=8,
+    staged = quantize_model(staged_model, get_adapter(model), staged_q, schemes, ids, batch_size=8,
                                       progress=False)
-    one_pass = calibrate.quantize_model(one_pass_model, get_adapter(model), one_pass_q, schemes, ids, batch_size=8,
+    one_pass = quantize_model(one_pass_model, get_adapter(model), one_pass_q, schemes, ids, batch_size=8,
                                         progress=False)
-    assert chunk_rows == ([24] * 10 + [16]) * 2, chunk_rows  # two layers, 256 tokens each
+    # the structure probe's two forwards over layer 0 (all 8 sequences), then two layers, 256 tokens each
+    assert chunk_rows == ([24] * 10 + [16]) * 4, chunk_rows
     assert observed.count("mlp.down_proj") == 2 * 11 and observed.count("mlp.gate_proj") == 2
     torch.testing.assert_close(one_pass_q.down_hessian, staged_q.down_hessian, rtol=1e-5, atol=1e-7)
     for name in staged:
@@ -591,7 +607,7 @@ def test_one_pass_driver_refuses_stages_whose_linears_do_not_share_an_input():
     """A quantizer claiming in-forward quantization with one stage holding the whole layer (o_proj's
     input depends on q/k/v) would silently change the result: the hooks notice and say what to do."""
     from quantkit.api import linear_shapes
-    from quantkit.calibrate import quantize_model
+    from quantkit.pipeline import quantize_model
     from quantkit.errors import QuantkitError
     from quantkit.models import get_adapter
     from quantkit.quantizers.gptq import GPTQQuantizer
@@ -609,7 +625,7 @@ def test_one_pass_driver_refuses_stages_whose_linears_do_not_share_an_input():
 def test_auto_batch_size_takes_the_whole_demo_calibration_set_and_splits_a_large_model():
     import transformers
 
-    from quantkit.calibrate import auto_batch_size
+    from quantkit.pipeline.batching import auto_batch_size
 
     demo = transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9)
     assert auto_batch_size(demo, 128, 512, torch.float32) == 128
@@ -626,11 +642,11 @@ def test_calibration_batch_size_follows_the_quantizers_driver(tiny_llama_dir, tm
     """GPTQ (one pass) gets the 4 GiB budget, AWQ the 1 GiB one: with budgets shrunk so that the
     tiny model's 4 sequences fit only the larger, GPTQ runs them as one batch and AWQ as two."""
     import quantkit
-    from quantkit import calibrate
+    from quantkit.pipeline import batching
 
     per_sequence = 16 * 4 * (3 * 128 + 4 * 64 + 2 * 4 * 16)
-    monkeypatch.setattr(calibrate, "CALIBRATION_BATCH_BUDGET", 4 * per_sequence)
-    monkeypatch.setattr(calibrate, "STAGED_BATCH_BUDGET", 2 * per_sequence)
+    monkeypatch.setattr(batching, "ONE_PASS_BATCH_BUDGET", 4 * per_sequence)
+    monkeypatch.setattr(batching, "STAGED_BATCH_BUDGET", 2 * per_sequence)
     sizes = {m: quantkit.quantize(str(tiny_llama_dir), m, bits=4, group_size=32, num_samples=4, seq_len=16,
                                   output=tmp_path / m, progress=False)["calibration_batch_size"] for m in ("gptq", "awq")}
     assert sizes == {"gptq": 4, "awq": 2}
@@ -660,7 +676,7 @@ def test_a_model_held_in_its_storage_dtype_calibrates_exactly_as_in_fp32(storage
     import transformers
 
     from quantkit.api import linear_shapes
-    from quantkit.calibrate import quantize_model
+    from quantkit.pipeline import quantize_model
     from quantkit.models import get_adapter
     from quantkit.scheme import QuantScheme
 

@@ -181,7 +181,7 @@ def test_quantize_releases_each_finished_layer_to_the_same_records(tmp_path, sma
     its weights are dropped (`release_layers`): the layers end on the meta device, and the records
     are exactly those of a run that keeps the model (fake-quantized) in memory."""
     from quantkit.api import linear_shapes
-    from quantkit.calibrate import quantize_model
+    from quantkit.pipeline import quantize_model
     from quantkit.models import get_adapter
     from quantkit.progress import ProgressStore
     from quantkit.quantizers.base import get_quantizer
@@ -732,7 +732,7 @@ def test_nan_inf_and_dead_channels_in_calibration_give_finite_weights(tmp_path, 
     """A hook poisons what enters decoder layer 1 during calibration: NaN and inf tokens, dead channels."""
     import quantkit
     from quantkit import api, data
-    from quantkit.calibrate import quantize_model
+    from quantkit.pipeline import quantize_model
     from quantkit.checkpoint import staging_dir, write_checkpoint
     from quantkit.models import get_adapter
     from quantkit.progress import ProgressStore

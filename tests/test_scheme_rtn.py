@@ -85,17 +85,15 @@ def test_unknown_method_lists_choices():
         get_quantizer("foo")
 
 
-def test_every_bundled_recipe_builds_its_quantizer_and_scheme():
-    """A recipe with a misspelt option or scheme key would only fail when a user runs it."""
+def test_every_bundled_recipe_resolves_to_a_plan():
+    """A recipe with a misspelt option, scheme or calibration key would only fail when a user runs it."""
     from importlib.resources import files
 
-    from quantkit.api import _make_quantizer
-    from quantkit.scheme import load_recipe
+    from quantkit.plan import read_recipe_file, resolve_plan
 
     names = sorted(p.name[:-5] for p in files("quantkit.recipes").iterdir() if p.name.endswith(".yaml"))
     assert "awq-w4g64-demo" in names and "gptq-w4g64-demo" in names
     for name in names:
-        recipe = load_recipe(name)
-        quantizer = _make_quantizer(recipe["method"], recipe.get("options") or {})
-        scheme_from_dict(recipe.get("scheme") or {})
-        assert set(recipe.get("options") or {}) <= set(quantizer.options), name
+        plan = resolve_plan(recipe_file=name)
+        options = read_recipe_file(name).get("options") or {}
+        assert all(any(s.options.get(k) == v for s in plan.recipe.steps) for k, v in options.items()), name

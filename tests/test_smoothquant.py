@@ -19,7 +19,9 @@ from quantkit.formats import compressed_tensors as ct
 from quantkit.formats import get_format
 from quantkit.formats.spec import LinearSpec
 from quantkit.qtensor import QuantizedWeight
-from quantkit.quantizers.smoothquant import SmoothQuantQuantizer, smooth_model
+from quantkit.pipeline.driver import transform_model
+from quantkit.quantizers.recipe import build_recipe
+from quantkit.quantizers.smoothquant import SmoothQuantTransform
 from quantkit.runtime import QuantLinear, backends, w8a8
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128, max_position_embeddings=64)
@@ -61,7 +63,9 @@ def test_smoothing_leaves_logits_unchanged(arch):
     with torch.no_grad():
         before = model(x).logits
     norms = {n: p.detach().clone() for n, p in model.named_parameters() if "norm" in n and n.endswith("weight")}
-    log = smooth_model(model, ids(), alpha=0.5)
+    smoothing = SmoothQuantTransform(alpha=0.5)
+    transform_model(model, smoothing, ids())
+    log = smoothing.search_log
     with torch.no_grad():
         after = model(x).logits
     assert [len(log[i]) for i in sorted(log)] == [NORM_GROUPS[arch]] * 2
@@ -78,7 +82,9 @@ def test_alpha_search_is_exact_and_picks_the_lowest_loss():
     x = ids(2, 12, seed=3)
     with torch.no_grad():
         before = model(x).logits
-    log = smooth_model(model, ids(), alpha="auto", alpha_step=0.25)
+    smoothing = SmoothQuantTransform(alpha="auto", alpha_step=0.25)
+    transform_model(model, smoothing, ids())
+    log = smoothing.search_log
     with torch.no_grad():
         after = model(x).logits
     assert ((after - before).abs().max() / before.abs().max()).item() < 1e-5
@@ -90,25 +96,24 @@ def test_alpha_search_is_exact_and_picks_the_lowest_loss():
 
 def test_options_and_scheme_are_checked():
     with pytest.raises(QuantkitError, match="alpha"):
-        SmoothQuantQuantizer(alpha=1.5)
+        SmoothQuantTransform(alpha=1.5)
     with pytest.raises(QuantkitError, match="activations"):
-        SmoothQuantQuantizer(activations="per-token")
-    with pytest.raises(QuantkitError, match="weight_method=gptq"):
-        SmoothQuantQuantizer(damp_percent=0.05)
-    assert SmoothQuantQuantizer(alpha="AUTO").options["alpha"] == "auto"
+        SmoothQuantTransform(activations="per-token")
+    with pytest.raises(QuantkitError, match="unknown option.*'damp_percent'.*smoothquant"):
+        build_recipe("smoothquant", {"damp_percent": 0.05})  # a GPTQ option: only with smoothquant,gptq
+    assert SmoothQuantTransform(alpha="AUTO").options["alpha"] == "auto"
     with pytest.raises(QuantkitError, match="bits must be 8"):
         quantkit.quantize("demo", "smoothquant", bits=4, output="never-written")
     with pytest.raises(QuantkitError, match="group_size must be -1"):
         quantkit.quantize("demo", "smoothquant", group_size=64, output="never-written")
     with pytest.raises(QuantkitError, match="compressed-tensors"):
         quantkit.quantize("demo", "smoothquant", format="gptq", output="never-written")
-    with pytest.raises(QuantkitError, match="pipeline"):
-        quantkit.quantize("demo", ["awq", "gptq"], output="never-written")
-    from quantkit.api import _make_quantizer
-    from quantkit.scheme import load_recipe
+    with pytest.raises(QuantkitError, match="one weight quantizer"):
+        quantkit.quantize("demo", ["gptq", "awq"], output="never-written")
+    from quantkit.plan import read_recipe_file as load_recipe
 
-    q = _make_quantizer(load_recipe("smoothquant-gptq-w8a8")["method"], {"alpha": 0.8})
-    assert q.options["weight_method"] == "gptq" and q.describe()["damp_percent"] == 0.01
+    q = build_recipe(load_recipe("smoothquant-gptq-w8a8")["method"], {"alpha": 0.8, "damp_percent": 0.01})
+    assert [s.name for s in q.steps] == ["smoothquant", "gptq"] and q.describe()["gptq"]["damp_percent"] == 0.01
     assert load_recipe("smoothquant-w8a8-llama")["options"]["alpha"] == 0.8
     assert not os.path.exists("never-written")
 
@@ -289,7 +294,7 @@ def test_static_scales_and_gptq_pipeline(w8a8_checkpoints, tiny_llama_dir, tmp_p
                                 seq_len=64, progress=False)
     assert summary["bits"] == 8 and summary["group_size"] == -1 and summary["format"] == "compressed-tensors"
     card = (out / "README.md").read_text()
-    assert "weight_method: `gptq`" in card
+    assert "- method: `smoothquant+gptq`" in card and "- gptq: `{" in card
     model = quantkit.load(out, backend="cpu", dtype="float32")
     assert all(m.spec.input_quant == "token" for m in model.modules() if isinstance(m, QuantLinear))
 
@@ -308,7 +313,7 @@ def test_demo_w8a8_perplexity_smoothing_helps(tmp_path):
     from quantkit import data
     from quantkit.scoring import perplexity
     from quantkit.runtime.loader import load_tokenizer
-    from quantkit.scheme import load_recipe
+    from quantkit.plan import read_recipe_file as load_recipe
 
     samples = int(os.environ.get("QUANTKIT_SQ_SAMPLES", 16))
     windows = int(os.environ.get("QUANTKIT_SQ_WINDOWS", 8))

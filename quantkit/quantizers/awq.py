@@ -1,5 +1,7 @@
-"""AWQ (activation-aware weight quantization) as a quantizer plugin.
+"""AWQ (activation-aware weight quantization) as a recipe transform.
 
+The method `awq` is this transform finished by round-to-nearest (the grid its searches simulate);
+`awq,gptq` (the bundled recipe `awq-gptq`) hands the scaled, clipped layer to GPTQ instead.
 Per decoder layer, in `begin_layer` (AutoAWQ's `_search_best_scale` / `_search_best_clip`):
 
 1. One calibration pass with hooks records, for every input group of the architecture adapter
@@ -27,8 +29,7 @@ Per decoder layer, in `begin_layer` (AutoAWQ's `_search_best_scale` / `_search_b
    and the r with the lowest error of the group's partial output x_g . w_g on the sampled tokens
    wins; the weights are clamped in place.
 
-`quantize_linear` then only rounds the scaled, clipped weight to nearest (`grid.rtn_quantize`),
-with the same grid the search simulated. The chosen alphas, loss curves and clip ratios are kept
+The recipe's weight quantizer then quantizes the scaled, clipped weights. The chosen alphas, loss curves and clip ratios are kept
 per layer in ``search_log``.
 """
 from __future__ import annotations
@@ -42,8 +43,9 @@ from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.models.folding import fold_scales
-from quantkit.quantizers.base import LayerContext, Quantizer, register_quantizer
-from quantkit.quantizers.grid import compute_qparams, fake_quantize, rtn_quantize
+from quantkit.layer_io import layer_output, slice_batch
+from quantkit.quantizers.base import LayerContext, Transform, register_step
+from quantkit.quantizers.grid import fake_quantize_grouped
 from quantkit.scheme import LinearScheme
 
 # AutoAWQ's avoid_clipping list (["q_", "k_", "query", "key", "Wqkv"]) plus fused qkv_proj (Phi-3):
@@ -56,15 +58,6 @@ _CLIP_CHUNK_ELEMS = 1 << 25  # bound on the [groups, tokens, rows] error tensor 
 def skips_clip(name: str) -> bool:
     leaf = name.rsplit(".", 1)[-1].lower()
     return any(p in leaf for p in CLIP_SKIP)
-
-
-def fake_quantize_grouped(w: torch.Tensor, scheme: LinearScheme) -> torch.Tensor:
-    """Quantize-dequantize ``w`` [N, K] per group with `grid`'s conventions (what rtn_quantize stores)."""
-    n, k = w.shape
-    gs = k if scheme.group_size == -1 else scheme.group_size
-    wg = w.float().reshape(-1, gs)
-    scale, zero = compute_qparams(wg, scheme.bits, scheme.sym)
-    return fake_quantize(wg, scale, zero, scheme.bits).reshape(n, k).to(w.dtype)
 
 
 def weight_mean(weights: list[torch.Tensor], group_sizes: list[int]) -> torch.Tensor:
@@ -153,29 +146,6 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: LinearScheme, n_grid: 
 
 # ----------------------------------------------------------------------------- capture
 
-def _slice_batch(obj, rows: int, batch: int, seq: int):
-    """Keep the first ``rows`` sequences of a batch of ``batch`` x ``seq`` tokens in nested args.
-
-    Tensors with a leading batch dim are cut to ``rows``; flattened token tensors ([batch*seq, ...],
-    e.g. OPT's fc1 input) to ``rows*seq``; everything else (rotary tables with batch 1, None) is kept.
-    """
-    if rows >= batch:
-        return obj
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() >= 2 and obj.shape[0] == batch:
-            return obj[:rows]
-        if obj.dim() >= 2 and obj.shape[0] == batch * seq and seq > 1:
-            return obj[: rows * seq]
-        return obj
-    if isinstance(obj, tuple):
-        return tuple(_slice_batch(o, rows, batch, seq) for o in obj)
-    if isinstance(obj, list):
-        return [_slice_batch(o, rows, batch, seq) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _slice_batch(v, rows, batch, seq) for k, v in obj.items()}
-    return obj
-
-
 def _strided_rows(x: torch.Tensor, offset: int, stride: int) -> torch.Tensor:
     """The rows of one batch's tokens x (starting at global token ``offset``) that fall on a single
     stride running over all batches, so the sample is the same however the set is batched."""
@@ -185,10 +155,6 @@ def _strided_rows(x: torch.Tensor, offset: int, stride: int) -> torch.Tensor:
 def _token_wise(group) -> bool:
     """Whether the group's loss may run on a token sample: its inspect module maps tokens one by one."""
     return group.token_wise or group.inspect in group.linears
-
-
-def _first_output(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 class _Capture:
@@ -203,13 +169,11 @@ class _Capture:
         self.calls: dict[str, int] = {}
 
 
-@register_quantizer
-class AWQQuantizer(Quantizer):
+@register_step
+class AWQTransform(Transform):
     name = "awq"
     default_sym = False
     default_format = "awq"
-    needs_calibration = True
-    needs_observe = False  # the statistics come from begin_layer's own pass; quantize_linear only rounds
     options_spec = {
         "duo_scaling": True,  # s = x_mean^a / w_mean^(1-a) (AutoAWQ's default) instead of x_mean^a
         "n_grid": 20,  # alpha grid {0, 1/n, ..., (n-1)/n}
@@ -271,14 +235,6 @@ class AWQQuantizer(Quantizer):
             log["clip"][name] = ratios.cpu()
         log["seconds"] = time.perf_counter() - t0
 
-    def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme):
-        return rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias)
-
-    def format_extra(self) -> dict:
-        # The awq layout writes zero_point/version itself; anything here would also land in gptq /
-        # compressed-tensors configs (whose "version" key means something else).
-        return {}
-
     # -- internals -------------------------------------------------------------------------
     def _plan(self, inputs: list) -> list[int]:
         """Sequences of each calibration batch used by the scale-search loss (whole sequences, in order)."""
@@ -330,7 +286,7 @@ class AWQQuantizer(Quantizer):
                 if name in inspect_of and plan[i] > 0:
                     b, t = shapes[i]
                     cap.inspect_inputs.setdefault(name, []).append(
-                        (_slice_batch(args, plan[i], b, t), _slice_batch(kwargs, plan[i], b, t)))
+                        (slice_batch(args, plan[i], b, t), slice_batch(kwargs, plan[i], b, t)))
                 if name in token_wise:
                     cap.token_x.setdefault(name, []).append(_strided_rows(x2, offsets[i], token_stride).clone())
                 if name in clip_set:
@@ -353,7 +309,7 @@ class AWQQuantizer(Quantizer):
         return cap
 
     def _run_inspect(self, module: nn.Module, batches: list) -> list[torch.Tensor]:
-        return [_first_output(module(*args, **kwargs)) for args, kwargs in batches]
+        return [layer_output(module(*args, **kwargs)) for args, kwargs in batches]
 
     @torch.no_grad()
     def _search_group(self, layer: nn.Module, group, cap: _Capture, schemes: dict[str, LinearScheme]) -> dict:

@@ -1,28 +1,32 @@
-"""The quantizer plugin contract and its registry.
+"""The recipe-step contract and its registry.
 
-The calibration driver knows nothing of any method: it walks the decoder layers, calls the
-hooks below, and collects `QuantizedWeight`s. A new method is one file with one subclass
-decorated by `@register_quantizer`; the Python API also accepts an instance of a user's own
-subclass. Quantizers never import formats, runtime or engine.
+A recipe is an ordered list of steps: any number of *transforms* (SmoothQuant smoothing, AWQ
+scales, ...) then one *weight quantizer* (RTN, GPTQ, ...). Each step is a plugin that knows nothing
+of the others; `quantkit.quantizers.recipe.Recipe` composes them for the calibration pipeline,
+which knows nothing of any one method. A new method is one file with one subclass decorated by
+`@register_step`; the Python API also accepts an instance of a user's own subclass. Steps never
+import formats, runtime or engine: they produce `QuantizedWeight`s and `LinearSpec`s (the
+format-neutral description of what they will produce), nothing about layouts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
+from quantkit.qtensor import LinearSpec
 from quantkit.qtensor import QuantizedWeight
 from quantkit.scheme import LinearScheme
 
-_REGISTRY: dict[str, type["Quantizer"]] = {}
+_REGISTRY: dict[str, type["Step"]] = {}
 
 
 @dataclass
 class LayerContext:
-    """What a quantizer may look at while one decoder layer is on the compute device."""
+    """What a step may look at while one decoder layer is on the compute device."""
 
     index: int
     layer: nn.Module
@@ -32,20 +36,27 @@ class LayerContext:
     schemes: dict[str, LinearScheme]  # names relative to the layer -> scheme of that linear
     inputs: list  # calibration inputs of this layer: list of (hidden_states, kwargs) batches
     run_layer: Callable[[], list]  # runs the layer over `inputs` and returns its outputs
-    extras: dict = field(default_factory=dict)
+    # for steps that need reference inputs: the layer as the unquantized model has it (after the
+    # transforms, which are exact in full precision) and the unquantized model's inputs of this layer
+    reference_layer: Optional[nn.Module] = None
+    reference_inputs: Optional[list] = None
 
 
-class Quantizer:
-    """Base class: override `quantize_linear`; calibrating methods also override `observe`."""
+class Step:
+    """Base of every recipe step. Options are validated against `options_spec` (name -> default)."""
 
     name: ClassVar[str] = ""
-    default_sym: ClassVar[bool] = True
-    default_format: ClassVar[str] = "gptq"
+    kind: ClassVar[str] = ""  # "transform" or "quantizer"
+    options_spec: ClassVar[dict[str, Any]] = {}
+    default_scheme: ClassVar[dict[str, Any]] = {}  # scheme keys the step implies (SmoothQuant: bits 8, per channel)
+    default_sym: ClassVar[bool | None] = None  # the grid the step is usually run with; None: no preference
+    default_format: ClassVar[str | None] = None
     needs_calibration: ClassVar[bool] = True
-    options_spec: ClassVar[dict[str, Any]] = {}  # option name -> default value
-    default_scheme: ClassVar[dict[str, Any]] = {}  # scheme keys the method implies (SmoothQuant: bits 8, per channel)
     quantizes_activations: ClassVar[bool] = False  # results carry input_quant (W8A8): the format must store it
-    needs_observe: ClassVar[bool] = True  # False: the driver skips the per-stage `observe` pass (saves a layer run)
+    observes: ClassVar[bool] = False  # wants `observe` calls with each target linear's inputs
+    # wants each linear's input in the unquantized model too (`observe(..., reference=)`): the pipeline
+    # then runs a full-precision copy of every layer on the full-precision hidden states beside it
+    needs_reference_inputs: ClassVar[bool] = False
 
     def __init__(self, **options):
         unknown = set(options) - set(self.options_spec)
@@ -55,36 +66,20 @@ class Quantizer:
         self.options = {**self.options_spec, **options}
 
     def check_scheme(self, scheme) -> None:
-        """Reject a QuantScheme the method cannot produce, before any model is loaded."""
+        """Reject a QuantScheme the step cannot produce, before any model is loaded."""
 
-    def planned_spec(self, out_features: int, in_features: int, scheme: LinearScheme):
-        """The `LinearSpec` this method will produce for a linear, so the format can refuse it before
-        calibration starts (an hour of GPTQ must not end in 'awq stores 4-bit weights only')."""
-        from quantkit.formats.spec import LinearSpec
-
-        return LinearSpec(out_features, in_features, scheme.bits, scheme.group_size, scheme.sym)
-
-    # -- driver hooks --------------------------------------------------------------------
-    def stages(self, ctx: LayerContext) -> list[list[str]]:
-        """Groups of linears (relative names) quantized together; later groups see earlier ones quantized."""
-        return [[n for n in ctx.adapter.linear_names(ctx.layer) if n in ctx.schemes]]
-
-    def quantize_in_forward(self) -> bool:
-        """True when every stage's linears share one input tensor and the stages follow the forward order.
-
-        Then, when the calibration set is a single batch, the driver quantizes each linear from its
-        forward pre-hook (observe, quantize, fake-quantize, let the forward go on): one pass per layer
-        gives true-sequential results and the next layer's inputs, instead of a pass per stage plus one."""
-        return False
+    def planned_spec(self, spec: LinearSpec) -> LinearSpec:
+        """The `LinearSpec` after this step (act-order, activation quantization), so the format can
+        refuse it before calibration starts (an hour of GPTQ must not end in 'awq stores 4-bit
+        weights only')."""
+        return spec
 
     def begin_layer(self, ctx: LayerContext) -> None:
-        """Called once the layer is on the compute device, before any stage (AWQ/SmoothQuant transform here)."""
+        """Called once the layer is on the compute device, before any linear is quantized."""
 
-    def observe(self, name: str, module: nn.Module, x: torch.Tensor) -> None:
-        """Receives the input activations of a target linear during a calibration pass."""
-
-    def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme) -> QuantizedWeight:
-        raise NotImplementedError
+    def observe(self, name: str, module: nn.Module, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
+        """Receives the input activations of a target linear during a calibration pass; with
+        `needs_reference_inputs`, `reference` holds the same rows' input in the unquantized model."""
 
     def end_layer(self, ctx: LayerContext) -> None:
         """Called after the layer's linears are quantized; free per-layer state here."""
@@ -97,9 +92,44 @@ class Quantizer:
         return {"method": self.name, **self.options}
 
 
-def register_quantizer(cls: type[Quantizer]) -> type[Quantizer]:
-    if not cls.name:
-        raise ValueError("a quantizer class needs a `name`")
+class Transform(Step):
+    """A step that changes the layer before its weights are quantized (smoothing, scales, rotations):
+    exactly in full precision, or on purpose (clipping). It may also annotate each result."""
+
+    kind = "transform"
+
+    def finalize(self, name: str, qw: QuantizedWeight) -> QuantizedWeight:
+        """The quantized result of `name` as this step leaves it (e.g. SmoothQuant adds input_quant)."""
+        return qw
+
+
+class Quantizer(Step):
+    """The weight quantizer that ends a recipe: override `quantize_linear` (and `observe` to calibrate)."""
+
+    kind = "quantizer"
+    default_sym = True
+    default_format = "gptq"
+    observes = True
+
+    def stages(self, ctx: LayerContext) -> list[list[str]]:
+        """Groups of linears (relative names) quantized together; later groups see earlier ones quantized."""
+        return [[n for n in ctx.adapter.linear_names(ctx.layer) if n in ctx.schemes]]
+
+    def quantize_in_forward(self) -> bool:
+        """True when every stage's linears share one input tensor and the stages follow the forward order.
+
+        Then, when the calibration set is a single batch, the pipeline may quantize each linear from
+        its forward pre-hook (observe, quantize, fake-quantize, let the forward go on): one pass per
+        layer gives true-sequential results and the next layer's inputs."""
+        return False
+
+    def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme) -> QuantizedWeight:
+        raise NotImplementedError
+
+
+def register_step(cls: type[Step]) -> type[Step]:
+    if not cls.name or cls.kind not in ("transform", "quantizer"):
+        raise ValueError("a recipe step class needs a `name` and must derive from Transform or Quantizer")
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -109,19 +139,20 @@ def available_methods() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_quantizer(name: str, **options) -> Quantizer:
+def step_class(name: str) -> type[Step]:
     _import_builtin()
     if name not in _REGISTRY:
         raise QuantkitError(f"unknown method {name!r}; choose one of: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name](**options)
+    return _REGISTRY[name]
+
+
+def get_quantizer(name: str, **options) -> Step:
+    """One registered step by name (a weight quantizer or a transform), with its options."""
+    return step_class(name)(**options)
 
 
 def _import_builtin() -> None:
     import importlib
 
     for module in ("rtn", "gptq", "awq", "smoothquant"):
-        try:
-            importlib.import_module(f"quantkit.quantizers.{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"quantkit.quantizers.{module}":
-                raise
+        importlib.import_module(f"quantkit.quantizers.{module}")

@@ -14,17 +14,16 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.quantizers.base import LayerContext, Quantizer, register_quantizer
-from quantkit.quantizers.gptq_core import HessianAccumulator, act_order_kind, gptq_quantize
+from quantkit.quantizers.base import LayerContext, Quantizer, register_step
+from quantkit.quantizers.gptq_core import (CrossAccumulator, HessianAccumulator, act_order_kind, asymmetric_target,
+                                           gptq_quantize)
 from quantkit.quantizers.grid import rtn_quantize
 from quantkit.scheme import LinearScheme
 
 
-@register_quantizer
+@register_step
 class GPTQQuantizer(Quantizer):
     name = "gptq"
-    default_sym = True
-    needs_calibration = True
     options_spec = {
         "damp_percent": 0.01,
         "block_size": 128,
@@ -33,6 +32,11 @@ class GPTQQuantizer(Quantizer):
         "true_sequential": True,
         "mse": False,
         "offload_hessians": False,
+        # GPTAQ: quantize each linear to reproduce the unquantized model's output from the quantized
+        # model's inputs (needs the unquantized model's inputs beside them: the staged strategy, one
+        # more forward per layer); gptaq_alpha scales the correction (see gptq_core.asymmetric_target)
+        "gptaq": False,
+        "gptaq_alpha": 0.25,
     }
 
     def __init__(self, **options):
@@ -42,8 +46,13 @@ class GPTQQuantizer(Quantizer):
             raise QuantkitError(f"damp_percent must be in (0, 1), got {o['damp_percent']}")
         if int(o["block_size"]) < 1:
             raise QuantkitError(f"block_size must be positive, got {o['block_size']}")
+        alpha = o["gptaq_alpha"]
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+            raise QuantkitError(f"gptaq_alpha must be a number in (0, 1], got {alpha!r}")
+        self.needs_reference_inputs = bool(o["gptaq"])  # an instance attribute: the recipe reads it
         self._hessians: dict[str, HessianAccumulator] = {}
-        self._last_input, self._last_acc = None, None
+        self._crosses: dict[str, CrossAccumulator] = {}
+        self._last_input, self._last_acc, self._last_cross = None, None, None
         self._stage_mates: dict[str, list[str]] = {}
         self._stacked: dict[str, tuple] = {}  # results solved along with an earlier linear of the stage
         self._ctx: LayerContext | None = None
@@ -62,26 +71,35 @@ class GPTQQuantizer(Quantizer):
     def quantize_in_forward(self) -> bool:
         return bool(self.options["true_sequential"])  # the adapters' stages: q/k/v, o, gate/up, down
 
-    def observe(self, name: str, module: nn.Module, x: torch.Tensor) -> None:
+    def observe(self, name: str, module: nn.Module, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
         # q/k/v (and gate/up) receive the very same input tensor: accumulate its Hessian once and share it
         if x is self._last_input:
             shared = self._hessians.setdefault(name, self._last_acc)
             if shared is self._last_acc:
+                if self._last_cross is not None:
+                    self._crosses.setdefault(name, self._last_cross)
                 return
         acc = self._hessians.get(name)
         if acc is None:
             acc = HessianAccumulator(module.in_features, device=x.device, offload=bool(self.options["offload_hessians"]))
             self._hessians[name] = acc
         acc.add_batch(x)
-        self._last_input, self._last_acc = x, acc
+        cross = None
+        if self.needs_reference_inputs:
+            if reference is None:
+                raise QuantkitError(f"GPTAQ needs the unquantized model's input of {name}; the pipeline gave none")
+            cross = self._crosses.setdefault(name, CrossAccumulator(module.in_features))
+            cross.add_batch(x, reference)
+        self._last_input, self._last_acc, self._last_cross = x, acc, cross
 
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme):
         if name in self._stacked:
             qw, self.layer_stats[name] = self._stacked.pop(name)
             return qw
         acc = self._hessians.pop(name, None)
+        cross = self._crosses.pop(name, None)
         if acc is not None and acc is self._last_acc:  # its inputs are complete: let the tensor go
-            self._last_input = self._last_acc = None
+            self._last_input = self._last_acc = self._last_cross = None
         if acc is not None and acc.n_samples == 0 and acc.n_dropped:
             # every calibration row reaching this linear held NaN/inf (one poisoned token spreads to the
             # whole sequence through attention): no Hessian to solve with, so round to nearest instead
@@ -99,10 +117,15 @@ class GPTQQuantizer(Quantizer):
         linears = [(name, module)] + [(m, self._ctx.layer.get_submodule(m)) for m in mates]
         for m in mates:
             del self._hessians[m]
+            self._crosses.pop(m, None)
         o = self.options
         weight = torch.cat([lin.weight.data for _, lin in linears]) if mates else module.weight.data
+        H = acc.hessian().to(module.weight.device)
+        if cross is not None:  # GPTAQ: GPTQ on the target that reproduces the unquantized model's output
+            weight = asymmetric_target(weight, H, cross.cross().to(H.device), float(o["gptaq_alpha"]),
+                                       float(o["damp_percent"]))
         qw, stats = gptq_quantize(
-            weight, acc.hessian().to(module.weight.device), bits=scheme.bits, group_size=scheme.group_size,
+            weight, H, bits=scheme.bits, group_size=scheme.group_size,
             sym=scheme.sym, block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
             act_order=bool(o["desc_act"]), static_groups=bool(o["static_groups"]), mse=bool(o["mse"]),
         )
@@ -120,9 +143,9 @@ class GPTQQuantizer(Quantizer):
         qw, self.layer_stats[name] = self._stacked.pop(name)
         return qw
 
-    def planned_spec(self, out_features: int, in_features: int, scheme: LinearScheme):
-        order = act_order_kind(bool(self.options["desc_act"]), bool(self.options["static_groups"]), scheme.group_size)
-        return replace(super().planned_spec(out_features, in_features, scheme), act_order=order)
+    def planned_spec(self, spec):
+        order = act_order_kind(bool(self.options["desc_act"]), bool(self.options["static_groups"]), spec.group_size)
+        return replace(spec, act_order=order)
 
     def end_layer(self, ctx: LayerContext) -> None:
         if self._hessians:
@@ -130,9 +153,10 @@ class GPTQQuantizer(Quantizer):
         if self._stacked:
             warnings.warn(f"GPTQ: discarded results never asked for: {sorted(self._stacked)}")
         self._hessians.clear()
+        self._crosses.clear()
         self._stacked.clear()
         self._ctx = None
-        self._last_input, self._last_acc = None, None
+        self._last_input, self._last_acc, self._last_cross = None, None, None
 
     def format_extra(self) -> dict:
         o = self.options

@@ -36,7 +36,7 @@ from quantkit.errors import QuantkitError
 from quantkit.qtensor import QuantizedWeight
 from quantkit.quantizers.grid import compute_qparams, fake_quantize, max_code
 
-__all__ = ["HessianAccumulator", "HessianError", "gptq_quantize", "find_qparams"]
+__all__ = ["HessianAccumulator", "CrossAccumulator", "HessianError", "asymmetric_target", "gptq_quantize", "find_qparams"]
 
 # reference `Quantizer.find_params(..., mse=True)` search: shrink factors 1 - i/grid for
 # i < maxshrink*grid, error norm |q - x|^norm summed over the row
@@ -164,6 +164,59 @@ class HessianAccumulator:
             mirror_gram_(self._H)
             self._mirrored = True
         return self._H
+
+
+class CrossAccumulator:
+    """Running mean D = 2/n * sum (x_ref - x)^T x over calibration rows: how the inputs a linear gets in
+    the quantized model (x) differ from those of the unquantized model (x_ref), weighted the way the
+    Hessian H = 2/n * sum x^T x is. GPTAQ's one extra statistic (see `asymmetric_target`)."""
+
+    def __init__(self, in_features: int):
+        self.in_features = int(in_features)
+        self.n_samples = 0
+        self._D: Optional[torch.Tensor] = None
+
+    @torch.no_grad()
+    def add_batch(self, x: torch.Tensor, reference: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, self.in_features).float()
+        delta = reference.detach().reshape(-1, self.in_features).float() - x
+        if delta.shape[0] != x.shape[0]:
+            raise ValueError(f"reference rows ({delta.shape[0]}) do not match the observed rows ({x.shape[0]})")
+        keep = torch.isfinite(x).all(dim=1) & torch.isfinite(delta).all(dim=1)  # the Hessian drops these rows too
+        x, delta = x[keep], delta[keep]
+        m = x.shape[0]
+        if m == 0:
+            return
+        total = self.n_samples + m
+        if self._D is None:
+            self._D = torch.zeros(self.in_features, self.in_features, dtype=torch.float32, device=x.device)
+        self._D.mul_(self.n_samples / total).addmm_(delta.t(), x, alpha=2.0 / total)
+        self.n_samples = total
+
+    def cross(self) -> torch.Tensor:
+        if self._D is None:
+            raise HessianError("no reference rows reached this layer; cannot build GPTAQ's cross term")
+        return self._D
+
+
+@torch.no_grad()
+def asymmetric_target(weight: torch.Tensor, H: torch.Tensor, D: torch.Tensor, alpha: float,
+                      damp_percent: float) -> torch.Tensor:
+    """The weights whose GPTQ problem is GPTAQ's (Li et al. 2025, "GPTQv2"): match the unquantized
+    model's output W x_ref from the quantized model's inputs x, i.e. minimise sum ||Q x - W x_ref||^2.
+    With x_ref = x + d that is (Q - W') H (Q - W')^T + const for W' = W + W D H^-1 (complete the
+    square; D = 2/n sum d^T x, H = 2/n sum x^T x), so GPTQ on the target W' with the same H solves it.
+    `alpha` scales the correction (the reference implementation uses 0.25); H is damped as GPTQ damps it."""
+    Hd = H.to(torch.float64).clone()
+    diag = torch.diagonal(Hd)
+    dead = diag == 0
+    diag[dead] = 1.0
+    diag.add_(damp_percent * float(diag.mean()))
+    L, info = torch.linalg.cholesky_ex(Hd)
+    if int(info) != 0:
+        raise HessianError("GPTAQ: the damped Hessian is not positive definite; raise damp_percent")
+    correction = torch.cholesky_solve((weight.to(torch.float64) @ D.to(torch.float64)).t(), L).t()
+    return (weight.to(torch.float64) + alpha * correction).to(weight.dtype)
 
 
 def find_qparams(x: torch.Tensor, bits: int, sym: bool, mse: bool = False,

@@ -77,3 +77,12 @@ def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool,
         sym=sym,
         bias=None if bias is None else bias.detach().clone(),
     )
+
+
+def fake_quantize_grouped(w: torch.Tensor, scheme) -> torch.Tensor:
+    """Quantize-dequantize ``w`` [N, K] per group with `grid`'s conventions (what rtn_quantize stores)."""
+    n, k = w.shape
+    gs = k if scheme.group_size == -1 else scheme.group_size
+    wg = w.float().reshape(-1, gs)
+    scale, zero = compute_qparams(wg, scheme.bits, scheme.sym)
+    return fake_quantize(wg, scale, zero, scheme.bits).reshape(n, k).to(w.dtype)

@@ -1,4 +1,4 @@
-"""SmoothQuant (Xiao et al., 2023) with W8A8 int8 output, as a quantizer plugin.
+"""SmoothQuant (Xiao et al., 2023) with W8A8 int8 output, as a recipe transform.
 
 Why: int8 activations break LLMs because a few input channels carry outliers 10-100x the rest,
 always the same channels, so per-token scales cannot absorb them. SmoothQuant moves part of that
@@ -20,14 +20,15 @@ precision). Per decoder layer, in ``begin_layer``:
    the block output against full precision wins (ties keep the smaller alpha);
 3. the scales are folded.
 
-The weights are then quantized int8 symmetric per output channel by RTN or by GPTQ
-(``weight_method: gptq``, which sees the smoothed inputs; GPTQ's options pass through), and every
-`QuantizedWeight` carries ``input_quant``: dynamic per token, or (``activations: static``) a
-per-tensor scale max|x|/127 over the calibration set of that linear's smoothed input, rounded to
-fp16 like the weight scales. Alphas and search losses are kept per layer in ``search_log``.
-``smooth: false`` gives plain W8A8 (the baseline smoothing is measured against); dynamic RTN then
-needs no calibration data, and the driver's per-stage observe pass runs only when static scales or
-GPTQ need it (``needs_observe``).
+The recipe's weight quantizer then quantizes the weights int8 symmetric per output channel: the
+method `smoothquant` finishes with RTN, `smoothquant,gptq` (the bundled recipe
+`smoothquant-gptq-w8a8`) with GPTQ, which sees the smoothed inputs. This step then gives every
+`QuantizedWeight` its ``input_quant`` (``finalize``): dynamic per token, or (``activations:
+static``) a per-tensor scale max|x|/127 over the calibration set of that linear's smoothed input
+(observed in the weight quantizer's passes), rounded to fp16 like the weight scales. Alphas and
+search losses are kept per layer in ``search_log``. ``smooth: false`` gives plain W8A8 (the
+baseline smoothing is measured against); with dynamic activations and RTN it needs no calibration
+data.
 """
 from __future__ import annotations
 
@@ -37,26 +38,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantkit.calibrate import _to
 from quantkit.errors import QuantkitError
+from quantkit.layer_io import StopForward, batch_shapes, layer_output, slice_batch, to_device
 from quantkit.models.base import NORM
 from quantkit.models.folding import fold_scales
-from quantkit.quantizers.awq import _first_output, _slice_batch, fake_quantize_grouped
-from quantkit.quantizers.base import LayerContext, Quantizer, register_quantizer
-from quantkit.quantizers.gptq import GPTQQuantizer
-from quantkit.quantizers.grid import SCALE_DTYPE, rtn_quantize
+from quantkit.qtensor import QuantizedWeight
+from quantkit.quantizers.base import LayerContext, Transform, register_step
+from quantkit.quantizers.grid import SCALE_DTYPE, fake_quantize_grouped
 from quantkit.scheme import LinearScheme
 
 W8 = LinearScheme(bits=8, group_size=-1, sym=True)
 SCALE_MIN = 1e-5  # SmoothQuant's clamp of the weight maxima and of the scales
-_OWN_OPTIONS = {
-    "smooth": True,  # false: plain W8A8 (the baseline smoothing is measured against)
-    "alpha": 0.5,  # migration strength in [0, 1], or "auto" (per-group search)
-    "alpha_step": 0.1,  # grid step of the auto search
-    "search_tokens": 2048,  # tokens (whole sequences) the auto search loss runs on; 0: all
-    "activations": "dynamic",  # dynamic (int8 per token at run time) | static (calibrated per tensor)
-    "weight_method": "rtn",  # rtn | gptq
-}
+
 
 
 def smooth_scales(x_max: torch.Tensor, w_max: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -77,19 +70,20 @@ def fake_quant_input(x: torch.Tensor, static_amax: float | None = None) -> torch
     return (torch.round(xf / safe).clamp(-128, 127) * scale).to(x.dtype)
 
 
-class _Seen(Exception):
-    """Stops a calibration forward once every hooked input has been recorded."""
-
-
-@register_quantizer
-class SmoothQuantQuantizer(Quantizer):
+@register_step
+class SmoothQuantTransform(Transform):
     name = "smoothquant"
     default_sym = True
     default_format = "compressed-tensors"
-    needs_calibration = True
     default_scheme = {"bits": 8, "group_size": -1}
     quantizes_activations = True
-    options_spec = {**_OWN_OPTIONS, **GPTQQuantizer.options_spec}  # gptq's apply with weight_method gptq
+    options_spec = {
+        "smooth": True,  # false: plain W8A8 (the baseline smoothing is measured against)
+        "alpha": 0.5,  # migration strength in [0, 1], or "auto" (per-group search)
+        "alpha_step": 0.1,  # grid step of the auto search
+        "search_tokens": 2048,  # tokens (whole sequences) the auto search loss runs on; 0: all
+        "activations": "dynamic",  # dynamic (int8 per token at run time) | static (calibrated per tensor)
+    }
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -106,25 +100,19 @@ class SmoothQuantQuantizer(Quantizer):
             raise QuantkitError(f"smoothquant option search_tokens must be a non-negative integer, got {o['search_tokens']!r}")
         if o["activations"] not in ("dynamic", "static"):
             raise QuantkitError(f"smoothquant option activations must be dynamic or static, got {o['activations']!r}")
-        if o["weight_method"] not in ("rtn", "gptq"):
-            raise QuantkitError(f"smoothquant option weight_method must be rtn or gptq, got {o['weight_method']!r}")
-        gptq_opts = {k: o[k] for k in GPTQQuantizer.options_spec}
-        self._gptq = GPTQQuantizer(**gptq_opts) if o["weight_method"] == "gptq" else None
-        changed = sorted(k for k, v in gptq_opts.items() if v != GPTQQuantizer.options_spec[k])
-        if self._gptq is None and changed:
-            raise QuantkitError(f"smoothquant: GPTQ option(s) {changed} need weight_method=gptq "
-                                "(or the recipe method [smoothquant, gptq])")
-        # plain dynamic W8A8 by RTN looks at no data (an instance attribute: the driver reads it)
-        self.needs_observe = o["activations"] == "static" or self._gptq is not None
-        self.needs_calibration = bool(o["smooth"]) or self.needs_observe
+        # instance attributes (the recipe reads them): static input scales are observed in the weight
+        # quantizer's passes; plain dynamic W8A8 looks at no data
+        self.observes = o["activations"] == "static"
+        self.needs_calibration = bool(o["smooth"]) or self.observes
         self._amax: dict[str, float] = {}  # linear -> max|x| of its (smoothed) input, static activations
         self.search_log: dict[int, list[dict[str, Any]]] = {}
 
-    def planned_spec(self, out_features: int, in_features: int, scheme: LinearScheme):
+    def planned_spec(self, spec):
         from dataclasses import replace
 
         strategy = "tensor" if self.options["activations"] == "static" else "token"
-        return replace(super().planned_spec(out_features, in_features, scheme), input_quant=strategy)
+        # per channel is one group: a weight quantizer's processing order (GPTQ act-order) leaves no trace
+        return replace(spec, input_quant=strategy, act_order="none")
 
     def check_scheme(self, scheme) -> None:
         entries = [("scheme", scheme.bits, scheme.group_size, scheme.sym)]
@@ -139,17 +127,7 @@ class SmoothQuantQuantizer(Quantizer):
             if sym is False:
                 raise QuantkitError(f"smoothquant W8A8 is symmetric; drop --asym ({where})")
 
-    def describe(self) -> dict[str, Any]:
-        keep = set(_OWN_OPTIONS) | (set(GPTQQuantizer.options_spec) if self._gptq else set())
-        return {"method": self.name, **{k: v for k, v in self.options.items() if k in keep}}
-
-    # -- driver hooks --------------------------------------------------------------------
-    def stages(self, ctx: LayerContext) -> list[list[str]]:
-        return self._gptq.stages(ctx) if self._gptq else super().stages(ctx)
-
-    def quantize_in_forward(self) -> bool:
-        return self._gptq.quantize_in_forward() if self._gptq else False
-
+    # -- pipeline hooks ------------------------------------------------------------------
     def begin_layer(self, ctx: LayerContext) -> None:
         layer = ctx.layer
         groups = [g for g in ctx.adapter.input_groups(layer, ctx.config)
@@ -174,19 +152,13 @@ class SmoothQuantQuantizer(Quantizer):
             log.append(entry)
 
     def observe(self, name: str, module: nn.Module, x: torch.Tensor) -> None:
-        if self.options["activations"] == "static":
-            self._amax[name] = max(self._amax.get(name, 0.0), float(x.detach().abs().max()))
-        if self._gptq is not None:
-            self._gptq.observe(name, module, x)
+        self._amax[name] = max(self._amax.get(name, 0.0), float(x.detach().abs().max()))
 
-    def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme):
-        if scheme != W8:
-            raise QuantkitError(f"smoothquant quantizes W8A8 (8-bit symmetric per channel), got {scheme} for {name}")
-        if self._gptq is not None:
-            qw = self._gptq.quantize_linear(name, module, scheme)
-            qw.act_order = "none"  # per channel is one group: the processing order leaves no trace
-        else:
-            qw = rtn_quantize(module.weight.data, 8, -1, True, module.bias)
+    def finalize(self, name: str, qw: QuantizedWeight) -> QuantizedWeight:
+        if (qw.bits, qw.group_size, qw.sym) != (W8.bits, W8.group_size, W8.sym):
+            raise QuantkitError(f"smoothquant quantizes W8A8 (8-bit symmetric per channel), got {qw.bits}-bit "
+                                f"group {qw.group_size} for {name}")
+        qw.act_order = "none"  # per channel is one group: the processing order leaves no trace
         if self.options["activations"] == "dynamic":
             qw.input_quant = {"strategy": "token", "dynamic": True}
         else:
@@ -198,8 +170,6 @@ class SmoothQuantQuantizer(Quantizer):
         return qw
 
     def end_layer(self, ctx: LayerContext) -> None:
-        if self._gptq is not None:
-            self._gptq.end_layer(ctx)
         self._amax.clear()
 
     # -- internals -------------------------------------------------------------------------
@@ -210,7 +180,7 @@ class SmoothQuantQuantizer(Quantizer):
         block_inputs: dict[str, list] = {}
         search = self.options["alpha"] == "auto"
         budget = int(self.options["search_tokens"]) or math.inf
-        shapes = [(h.shape[0], h.shape[1] if h.dim() > 2 else 1) for h, _ in ctx.inputs]
+        shapes = batch_shapes(ctx.inputs)
         rows, left = [], budget
         for b, t in shapes:  # whole sequences, in order, up to the token budget
             r = 0 if left <= 0 else min(b, max(1, math.ceil(left / t)))
@@ -231,14 +201,14 @@ class SmoothQuantQuantizer(Quantizer):
                 calls[name] = i + 1
                 if i < len(shapes) and rows[i] > 0:
                     b, t = shapes[i]
-                    block_inputs.setdefault(name, []).append((_slice_batch(args, rows[i], b, t),
-                                                              _slice_batch(kwargs, rows[i], b, t)))
+                    block_inputs.setdefault(name, []).append((slice_batch(args, rows[i], b, t),
+                                                              slice_batch(kwargs, rows[i], b, t)))
             return hook
 
         def stop_when_all_seen(module, args):
             seen.add(module)
             if len(seen) == len(hooked):
-                raise _Seen  # the rest of the layer (most of the MLP) is not needed
+                raise StopForward  # the rest of the layer (most of the MLP) is not needed
 
         hooked = {ctx.layer.get_submodule(g.linears[0]) for g in groups}
         handles = [ctx.layer.get_submodule(g.linears[0]).register_forward_pre_hook(amax_hook(g.prev)) for g in groups]
@@ -252,8 +222,8 @@ class SmoothQuantQuantizer(Quantizer):
             for hidden, kwargs in ctx.inputs:
                 seen.clear()
                 try:
-                    ctx.layer(hidden.to(device=params.device, dtype=params.dtype), **_to(kwargs, params.device))
-                except _Seen:
+                    ctx.layer(hidden.to(device=params.device, dtype=params.dtype), **to_device(kwargs, params.device))
+                except StopForward:
                     pass
         finally:
             for h in handles:
@@ -268,7 +238,7 @@ class SmoothQuantQuantizer(Quantizer):
         linears = {n: layer.get_submodule(n) for n in group.linears}
         originals = {n: m.weight.data.clone() for n, m in linears.items()}
         static = self.options["activations"] == "static"
-        run = lambda: [_first_output(block(*a, **k)).float() for a, k in batches]  # noqa: E731
+        run = lambda: [layer_output(block(*a, **k)).float() for a, k in batches]  # noqa: E731
         reference = run()
         numel = sum(r.numel() for r in reference)
         n_steps = round(1 / float(self.options["alpha_step"]))
@@ -306,29 +276,3 @@ class SmoothQuantQuantizer(Quantizer):
             raise QuantkitError(f"smoothquant: the alpha search for {group.linears} produced no finite loss; "
                                 "the calibration data or weights contain NaN/inf")
         return best[1], dict(zip(alphas, losses))
-
-
-@torch.no_grad()
-def smooth_model(model: nn.Module, input_ids: torch.Tensor, batch_size: int = 8, **options) -> dict[int, list]:
-    """Smooth every decoder layer of a CPU float model in place, without quantizing anything.
-
-    The same per-layer ``begin_layer`` as a quantization run (options as for the method, e.g.
-    ``alpha``); useful to check invariance or to hand a smoothed model to another tool.
-    Returns the per-layer ``search_log``.
-    """
-    from quantkit.calibrate import capture_layer_inputs
-    from quantkit.models import get_adapter
-
-    adapter = get_adapter(model)
-    quantizer = SmoothQuantQuantizer(**options)
-    inputs = capture_layer_inputs(model, adapter, input_ids, batch_size, "cpu", "cpu")
-    prefix = adapter.layers_prefix(model)
-    for i, layer in enumerate(adapter.decoder_layers(model)):
-        def run_layer(layer=layer):
-            return [_first_output(layer(h, **kw)) for h, kw in inputs]
-
-        schemes = {n: W8 for n in adapter.linear_names(layer)}
-        quantizer.begin_layer(LayerContext(index=i, layer=layer, prefix=f"{prefix}.{i}.", adapter=adapter,
-                                           config=model.config, schemes=schemes, inputs=inputs, run_layer=run_layer))
-        inputs = [(out, kw) for out, (_, kw) in zip(run_layer(), inputs)]
-    return quantizer.search_log

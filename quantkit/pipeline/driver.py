@@ -1,0 +1,192 @@
+"""The layer-by-layer calibration pipeline. It knows nothing of any one method: a recipe does the work.
+
+It captures what enters decoder layer 0 (hidden states and every keyword argument: masks, position
+ids, rotary tables), then per layer: load the layer (onto the compute device, in fp32; from disk when
+streaming) -> run a strategy (the recipe's transforms, then its weight quantizer, stage by stage or in
+one pass; a layer already in the progress store is restored instead) -> the layer's quantized
+outputs become the next layer's inputs -> persist its results (progress store) -> release it
+(written back into the model, or dropped and its pages handed back). Only one decoder layer lives on
+the compute device; activations stay on `activation_device`.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from quantkit.errors import QuantkitError
+from quantkit.pipeline import residency
+from quantkit.pipeline.batching import runs_in_one_pass
+from quantkit.pipeline.capture import capture_layer_inputs, run_layer
+from quantkit.pipeline.memory_policy import MemoryPolicy, memory_policy
+from quantkit.pipeline.one_pass import OnePassStrategy
+from quantkit.pipeline.staged import StagedStrategy
+from quantkit.progress import LayerRecord, ProgressStore
+from quantkit.qtensor import QuantizedWeight
+from quantkit.quantizers.base import LayerContext
+from quantkit.quantizers.recipe import Recipe
+from quantkit.scheme import LinearScheme
+
+
+class LayerByLayer:
+    """One calibration run over a model's decoder layers (see the module docstring)."""
+
+    def __init__(self, model, adapter, recipe: Recipe, schemes: dict[str, LinearScheme], input_ids, *, device,
+                 activation_device, compute_dtype, batch_size: int, store: Optional[ProgressStore], layer_source,
+                 release_layers: bool, policy: MemoryPolicy):
+        if release_layers and store is None:
+            raise ValueError("release_layers needs a store: the results live only there")
+        if recipe.needs_calibration and input_ids is None:
+            raise QuantkitError(f"method {recipe.name!r} needs calibration data; pass --dataset")
+        self.model, self.adapter, self.recipe, self.schemes = model, adapter, recipe, schemes
+        self.device, self.activation_device, self.compute_dtype = device, activation_device, compute_dtype
+        self.store, self.layer_source, self.release_layers, self.policy = store, layer_source, release_layers, policy
+        self.layers = adapter.decoder_layers(model)
+        self.prefix = adapter.layers_prefix(model)
+        self.done = set(store.done_layers()) if store is not None else set()
+        self.inputs = (capture_layer_inputs(model, adapter, input_ids, batch_size, device, activation_device,
+                                            compute_dtype) if recipe.needs_calibration else [])
+        # the unquantized model's hidden states beside the quantized ones, for steps that compare with them
+        self.reference = [h.clone() for h, _ in self.inputs] if recipe.needs_reference_inputs else None
+        one_pass = len(self.inputs) == 1 and runs_in_one_pass(recipe)
+        self.strategy = OnePassStrategy(policy) if one_pass else StagedStrategy()
+
+    def run(self, progress: bool) -> dict[str, QuantizedWeight]:
+        if self.release_layers:  # from here on the weights are read one layer at a time (see residency.release)
+            self.policy.page_out(self.model.state_dict().values())
+        results: dict[str, QuantizedWeight] = {}
+        finished: set[str] = set()
+        bar = tqdm(range(len(self.layers)), desc=self.recipe.name, unit="layer", disable=not progress)
+        for i in bar:
+            t0 = time.perf_counter()
+            stored = self.load(i)
+            layer_results = self.calibrate(i)
+            self.persist(i, layer_results)
+            self.release(i, stored)
+            finished.update(layer_results)
+            if self.store is None:  # with a store the results live only there (memory flat in depth)
+                results.update(layer_results)
+            bar.set_postfix(layer_s=f"{time.perf_counter() - t0:.2f}")
+        missing = set(self.schemes) - finished
+        if missing:
+            raise QuantkitError(f"{len(missing)} target linears lie outside the decoder layers (e.g. {sorted(missing)[0]}); "
+                                "add them to --ignore")
+        return results
+
+    def layer_prefix(self, i: int) -> str:
+        return f"{self.prefix}.{i}."
+
+    def load(self, i: int) -> dict:
+        """Layer i on the compute device in the compute dtype (read from disk first when streaming)."""
+        if self.layer_source is not None:
+            self.layer_source.materialize(i)
+        return residency.to_compute(self.layers[i], self.device, self.compute_dtype)
+
+    def calibrate(self, i: int) -> dict[str, QuantizedWeight]:
+        """Layer i's quantized results (computed, or restored from the store), its outputs passed on."""
+        layer, prefix = self.layers[i], self.layer_prefix(i)
+        if i in self.done:
+            record = self.store.load_layer(i)
+            residency.restore(layer, prefix, record)
+            self.advance(i, None)
+            if self.reference is not None:
+                self.reference = self.store.load_reference(i) or self.reference
+            return record.quantized
+        ctx = LayerContext(index=i, layer=layer, prefix=prefix, adapter=self.adapter, config=self.model.config,
+                           schemes={n[len(prefix):]: s for n, s in self.schemes.items() if n.startswith(prefix)},
+                           inputs=self.inputs, run_layer=lambda: self.run_layer(i))
+        self.recipe.begin_layer(ctx)
+        if self.reference is not None:  # the layer as the unquantized model has it: transformed, not quantized
+            ctx.reference_layer = copy.deepcopy(layer)
+            ctx.reference_inputs = [(h, kw) for h, (_, kw) in zip(self.reference, self.inputs)]
+        layer_results, outputs = self.strategy.quantize_layer(ctx, self.recipe, self.device, self.compute_dtype,
+                                                               observe=self.recipe.needs_observe)
+        self.advance(i, outputs)
+        if ctx.reference_layer is not None:
+            self.reference = run_layer(ctx.reference_layer, ctx.reference_inputs, self.device, self.compute_dtype,
+                                       self.activation_device)
+            ctx.reference_layer = ctx.reference_inputs = None
+        self.recipe.end_layer(ctx)
+        return layer_results
+
+    def run_layer(self, i: int) -> list:
+        return run_layer(self.layers[i], self.inputs, self.device, self.compute_dtype, self.activation_device)
+
+    @torch.no_grad()
+    def advance(self, i: int, outputs: Optional[list]) -> None:
+        """The (quantized) layer's outputs replace its inputs: what the next layer calibrates on."""
+        if not self.recipe.needs_calibration:
+            return
+        outputs = self.run_layer(i) if outputs is None else outputs
+        self.inputs[:] = [(out, kwargs) for out, (_, kwargs) in zip(outputs, self.inputs)]
+
+    def persist(self, i: int, layer_results: dict[str, QuantizedWeight]) -> None:
+        """Saved before the layer returns to its storage dtype (resume restores exactly this)."""
+        if self.store is not None and i not in self.done:
+            if self.reference is not None:  # before the record: a saved layer always has its reference
+                self.store.save_reference(i, self.reference)
+            prefix = self.layer_prefix(i)
+            self.store.save_layer(LayerRecord(index=i, quantized=layer_results,
+                                              other=residency.other_tensors(self.layers[i], prefix, layer_results)))
+
+    def release(self, i: int, stored: dict) -> None:
+        if self.release_layers and self.layer_source is None:
+            residency.release(stored, self.policy)
+        else:
+            residency.write_back(self.layers[i], stored)
+        stored.clear()
+        if self.layer_source is not None:
+            self.layer_source.release(i)
+        else:
+            self.policy.trim_heap()  # the layer's freed temporaries and replaced weights go back to the OS
+
+
+def quantize_model(model, adapter, recipe, schemes: dict[str, LinearScheme], input_ids: Optional[torch.Tensor],
+                   device: torch.device | str = "cpu", activation_device: torch.device | str = "cpu",
+                   compute_dtype: torch.dtype = torch.float32, batch_size: int = 8, progress: bool = True,
+                   store: Optional[ProgressStore] = None, layer_source=None, release_layers: bool = False,
+                   policy: Optional[MemoryPolicy] = None) -> dict[str, QuantizedWeight]:
+    """Quantize every linear named in `schemes` (full names) with `recipe` (a Recipe, or one step:
+    see `Recipe.of`) and return their QuantizedWeights.
+
+    The model's linears are left fake-quantized (weights replaced by their dequantized values), which
+    is exactly what the next layer must see during calibration. With a `store`, each finished layer is
+    saved and layers already there are restored instead of recomputed (resume), and the returned dict
+    stays empty: the results live only in the store (the checkpoint writer reads them there), so
+    memory does not grow with the model's depth. With a `layer_source` (streaming), a layer's weights
+    are read from disk only while it is processed. With `release_layers` (needs a `store`; what
+    `quantize` does) each finished layer's tensors are dropped instead, leaving the model's layers on
+    the meta device."""
+    run = LayerByLayer(model, adapter, Recipe.of(recipe), schemes, input_ids, device=device,
+                       activation_device=activation_device, compute_dtype=compute_dtype, batch_size=batch_size,
+                       store=store, layer_source=layer_source, release_layers=release_layers,
+                       policy=policy or memory_policy())
+    return run.run(progress)
+
+
+@torch.no_grad()
+def transform_model(model, transform, input_ids: torch.Tensor, batch_size: int = 8) -> None:
+    """Apply one transform (SmoothQuant smoothing, AWQ scales) to every decoder layer of a CPU float
+    model in place, without quantizing anything: to check its invariance, or to hand the transformed
+    model to another tool. The transform's own log (e.g. `search_log`) says what it chose."""
+    from quantkit.models import get_adapter
+
+    adapter = get_adapter(model)
+    inputs = capture_layer_inputs(model, adapter, input_ids, batch_size, "cpu", "cpu")
+    prefix = adapter.layers_prefix(model)
+    for i, layer in enumerate(adapter.decoder_layers(model)):
+        schemes = {n: transform_scheme(transform) for n in adapter.linear_names(layer)}
+        ctx = LayerContext(index=i, layer=layer, prefix=f"{prefix}.{i}.", adapter=adapter, config=model.config,
+                           schemes=schemes, inputs=inputs, run_layer=lambda layer=layer: run_layer(layer, inputs, "cpu",
+                                                                                                  torch.float32, "cpu"))
+        transform.begin_layer(ctx)
+        inputs[:] = [(out, kw) for out, (_, kw) in zip(ctx.run_layer(), inputs)]
+
+
+def transform_scheme(transform) -> LinearScheme:
+    """The scheme a transform's searches simulate when applied on its own: its method's default."""
+    d = {"bits": 4, "group_size": -1, "sym": True, **transform.default_scheme}
+    return LinearScheme(bits=d["bits"], group_size=d["group_size"], sym=d["sym"])

@@ -1,0 +1,160 @@
+"""A quantize run, resolved and frozen before any model is loaded: recipe file + flags -> `QuantizePlan`.
+
+Every input is either used or refused here with one line naming the problem and the fix: unknown
+recipe keys or calibration keys, options no step of the method declares, calibration flags given to
+a method that reads no data, scheme choices the method or the format cannot produce. What the plan
+says is what the run does and what the model card records.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from quantkit.errors import QuantkitError
+from quantkit.quantizers.recipe import Recipe, build_recipe
+from quantkit.scheme import QuantScheme, parse_group_size, scheme_from_dict
+
+RECIPE_KEYS = {"method", "format", "scheme", "options", "calibration"}
+CALIBRATION_KEYS = {"dataset", "num_samples", "seq_len", "seed", "chat_template", "batch_size"}
+CALIBRATION_DEFAULTS = {"dataset": "lee", "num_samples": 128, "seq_len": 512, "seed": 0, "chat_template": False,
+                        "batch_size": None}
+DEFAULT_METHOD = "rtn"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The calibration set: which text, how many windows of how many tokens, and how it is batched."""
+
+    dataset: Any  # a registry name, a file path, or in-memory data (see quantkit.data)
+    num_samples: int
+    seq_len: int
+    seed: int
+    chat_template: bool
+    batch_size: Optional[int]  # None: chosen from the model's config (quantkit.pipeline.batching)
+
+    def label(self) -> str:
+        d = self.dataset
+        return str(d) if isinstance(d, (str, Path)) else f"<{type(d).__name__}>"
+
+
+@dataclass(frozen=True)
+class QuantizePlan:
+    recipe: Recipe
+    scheme: QuantScheme
+    format: str
+    calibration: Optional[Calibration]  # None: the method reads no data
+
+    def method_info(self) -> dict[str, Any]:
+        """What the model card and the resume fingerprint record of the method: nothing it did not use."""
+        info = self.recipe.describe()
+        c = self.calibration
+        if c is not None:
+            info.update({"calibration": c.label(), "num_samples": c.num_samples, "seq_len": c.seq_len, "seed": c.seed,
+                         **({"chat_template": True} if c.chat_template else {})})
+        return info
+
+
+def read_recipe_file(path_or_name: Union[str, Path]) -> dict[str, Any]:
+    """Read a YAML recipe: a path, or the name of one bundled in configs/ (e.g. `gptq-w4g128`)."""
+    import yaml
+
+    path = Path(path_or_name)
+    if not path.exists():
+        from importlib.resources import files
+
+        bundled = files("quantkit.recipes") / f"{path_or_name}.yaml"
+        if not bundled.is_file():
+            raise QuantkitError(f"recipe {str(path_or_name)!r} not found; give a YAML file path or a bundled name")
+        text, source = bundled.read_text(), str(path_or_name)
+    else:
+        text, source = path.read_text(), str(path)
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise QuantkitError(f"recipe {source} is not valid YAML ({str(exc).splitlines()[0]}); fix the file") from None
+    if not isinstance(data, dict):
+        raise QuantkitError(f"recipe {source} must be a mapping with keys {sorted(RECIPE_KEYS)}")
+    _refuse_unknown(data, RECIPE_KEYS, f"recipe {source}")
+    for section in ("scheme", "options", "calibration"):
+        if data.get(section) is not None and not isinstance(data[section], dict):
+            raise QuantkitError(f"recipe {source}: '{section}' must be a mapping")
+    _refuse_unknown(data.get("calibration") or {}, CALIBRATION_KEYS, f"recipe {source} section 'calibration'")
+    return data
+
+
+def _refuse_unknown(d: dict, allowed: set, where: str) -> None:
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise QuantkitError(f"{where} has unknown keys {unknown}; allowed: {sorted(allowed)}")
+
+
+def parse_option_value(text: str) -> Any:
+    """A --option value: an int or float as Python reads it (so 1e-2 is 0.01, which YAML 1.1 would
+    leave a string), else YAML (true/false/null, lists), else the text itself."""
+    import yaml
+
+    for number in (int, float):
+        try:
+            return number(text)
+        except ValueError:
+            pass
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = None, bits=None, group_size=None,
+                 sym=None, ignore=None, format=None, calibration: Optional[dict] = None) -> QuantizePlan:
+    """Recipe file + explicit arguments (which win) -> a frozen plan. `calibration` holds only the
+    calibration arguments the caller gave explicitly (dataset, num_samples, ...)."""
+    rec = read_recipe_file(recipe_file) if recipe_file else {}
+    recipe = build_recipe(method if method is not None else rec.get("method", DEFAULT_METHOD),
+                          {**(rec.get("options") or {}), **(options or {})})
+    scheme = _scheme(recipe, rec.get("scheme") or {}, bits=bits, group_size=group_size, sym=sym, ignore=ignore)
+    format_name = format or rec.get("format") or recipe.default_format
+    _check_format(recipe, format_name)
+    return QuantizePlan(recipe=recipe, scheme=scheme, format=format_name,
+                        calibration=_calibration(recipe, rec.get("calibration") or {}, calibration or {}))
+
+
+def _scheme(recipe: Recipe, from_file: dict, **flags) -> QuantScheme:
+    scheme_dict = {**recipe.default_scheme, **from_file}
+    flags["group_size"] = parse_group_size(flags["group_size"])
+    scheme_dict.update({k: v for k, v in flags.items() if v is not None})
+    scheme = scheme_from_dict(scheme_dict).with_default_sym(recipe.default_sym)
+    recipe.check_scheme(scheme)
+    return scheme
+
+
+def _check_format(recipe: Recipe, format_name: str) -> None:
+    from quantkit.formats import get_format
+
+    fmt = get_format(format_name)
+    if recipe.quantizes_activations and not getattr(fmt, "ACTIVATION_STRATEGIES", None):
+        raise QuantkitError(f"method {recipe.name!r} quantizes activations (W8A8), which the {fmt.NAME} format "
+                            "cannot store; use --format compressed-tensors")
+
+
+def _calibration(recipe: Recipe, from_file: dict, explicit: dict) -> Optional[Calibration]:
+    given = {k: v for k, v in explicit.items() if v is not None and v is not False}
+    _refuse_unknown(given, CALIBRATION_KEYS, "calibration settings")
+    if not recipe.needs_calibration:
+        used = sorted({*given, *from_file})
+        if used:
+            flags = ", ".join("--" + k.replace("_", "-") for k in used)
+            raise QuantkitError(f"method {recipe.name!r} reads no calibration data, so {flags} would be ignored; "
+                                "drop them (or choose a calibrating method such as gptq)")
+        return None
+    c = {**CALIBRATION_DEFAULTS, **from_file, **given}
+    for key in ("num_samples", "seq_len", "seed"):
+        if isinstance(c[key], bool) or not isinstance(c[key], int):
+            raise QuantkitError(f"calibration {key} must be an integer, got {c[key]!r}")
+    if c["num_samples"] < 1 or c["seq_len"] < 2:
+        raise QuantkitError("--num-samples must be at least 1 and --seq-len at least 2")
+    if c["batch_size"] is not None and (isinstance(c["batch_size"], bool) or not isinstance(c["batch_size"], int)
+                                        or c["batch_size"] < 1):
+        raise QuantkitError(f"--batch-size must be a positive integer, got {c['batch_size']!r}")
+    return Calibration(dataset=c["dataset"], num_samples=c["num_samples"], seq_len=c["seq_len"], seed=c["seed"],
+                       chat_template=bool(c["chat_template"]), batch_size=c["batch_size"])

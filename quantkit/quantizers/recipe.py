@@ -1,0 +1,184 @@
+"""A recipe: transforms, then one weight quantizer, composed into what the calibration pipeline runs.
+
+Steps know nothing of each other; the recipe is the one place that orders them. Per decoder layer
+the pipeline calls `begin_layer` (every transform, in order, then the quantizer), feeds `observe`
+to every step that observes, asks the quantizer for each linear and lets every transform
+`finalize` the result, then `end_layer`. A method name is a recipe too: `awq` is the AWQ transform
+finished by round-to-nearest, `smoothquant` the smoothing transform finished by RTN int8 weights.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence, Union
+
+import torch
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.qtensor import LinearSpec, QuantizedWeight
+from quantkit.quantizers.base import LayerContext, Quantizer, Step, Transform, step_class
+from quantkit.scheme import LinearScheme
+
+
+class Recipe:
+    """An ordered, validated list of steps: transforms first, one weight quantizer last."""
+
+    def __init__(self, steps: Sequence[Step]):
+        steps = tuple(steps)
+        if not steps or not isinstance(steps[-1], Quantizer):
+            last = type(steps[-1]).__name__ if steps else "nothing"
+            raise QuantkitError(f"a recipe ends with one weight quantizer (rtn, gptq), not {last}; add one last")
+        misplaced = [s.name for s in steps[:-1] if not isinstance(s, Transform)]
+        if misplaced:
+            raise QuantkitError(f"a recipe holds one weight quantizer, last; {misplaced[0]!r} comes before "
+                                f"{steps[-1].name!r}: keep one of them")
+        self.steps = steps
+        self.transforms: tuple[Transform, ...] = steps[:-1]  # type: ignore[assignment]
+        self.quantizer: Quantizer = steps[-1]  # type: ignore[assignment]
+
+    @classmethod
+    def of(cls, method: Union["Recipe", Step, type]) -> "Recipe":
+        """A recipe from a recipe, one step (a transform alone is finished by round-to-nearest) or a step class."""
+        if isinstance(method, Recipe):
+            return method
+        if isinstance(method, type) and issubclass(method, Step):
+            method = method()
+        if isinstance(method, Transform):
+            return cls([method, step_class("rtn")()])
+        if isinstance(method, Quantizer):
+            return cls([method])
+        raise QuantkitError(f"a method is a name, a recipe or a Step instance, got {type(method).__name__}")
+
+    # -- what the plan needs before any model is loaded -----------------------------------------
+    @property
+    def name(self) -> str:
+        if len(self.steps) == 2 and self.quantizer.name == "rtn":
+            return self.transforms[0].name  # awq, smoothquant: a transform finished by rounding
+        return "+".join(s.name for s in self.steps)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return any(s.needs_calibration for s in self.steps)
+
+    @property
+    def quantizes_activations(self) -> bool:
+        return any(s.quantizes_activations for s in self.steps)
+
+    @property
+    def default_scheme(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for s in self.steps:
+            out.update(s.default_scheme)
+        return out
+
+    @property
+    def default_sym(self) -> bool:
+        return next((s.default_sym for s in self.steps if s.default_sym is not None), True)
+
+    @property
+    def default_format(self) -> str:
+        return next(s.default_format for s in self.steps if s.default_format)
+
+    def check_scheme(self, scheme) -> None:
+        for s in self.steps:
+            s.check_scheme(scheme)
+
+    def planned_spec(self, out_features: int, in_features: int, scheme: LinearScheme) -> LinearSpec:
+        spec = LinearSpec(out_features, in_features, scheme.bits, scheme.group_size, scheme.sym)
+        for s in (self.quantizer, *self.transforms):
+            spec = s.planned_spec(spec)
+        return spec
+
+    def describe(self) -> dict[str, Any]:
+        """The method and its options, for the model card and the run's fingerprint."""
+        if len(self.steps) == 1:
+            return self.quantizer.describe()
+        if self.name == self.transforms[0].name:  # a transform finished by rounding (awq, smoothquant)
+            return {**self.transforms[0].describe(), "weights": "rtn"}
+        return {"method": self.name, **{s.name: s.options for s in self.steps}}
+
+    def format_extra(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for s in self.steps:
+            out.update(s.format_extra())
+        return out
+
+    # -- what the calibration pipeline calls, per decoder layer -------------------------------
+    @property
+    def observers(self) -> list[Step]:
+        return [s for s in self.steps if s.observes]
+
+    @property
+    def needs_observe(self) -> bool:
+        return bool(self.observers)
+
+    @property
+    def needs_reference_inputs(self) -> bool:
+        return any(s.needs_reference_inputs for s in self.steps)
+
+    def stages(self, ctx: LayerContext) -> list[list[str]]:
+        return self.quantizer.stages(ctx)
+
+    def quantize_in_forward(self) -> bool:
+        return self.quantizer.quantize_in_forward() and not self.needs_reference_inputs
+
+    def begin_layer(self, ctx: LayerContext) -> None:
+        for s in self.steps:
+            s.begin_layer(ctx)
+
+    def observe(self, name: str, module: nn.Module, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
+        for s in self.observers:
+            if s.needs_reference_inputs:
+                s.observe(name, module, x, reference=reference)
+            else:
+                s.observe(name, module, x)
+
+    def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme) -> QuantizedWeight:
+        qw = self.quantizer.quantize_linear(name, module, scheme)
+        for t in self.transforms:
+            qw = t.finalize(name, qw)
+        return qw
+
+    def end_layer(self, ctx: LayerContext) -> None:
+        for s in self.steps:
+            s.end_layer(ctx)
+
+
+def parse_method(method: Union[str, Iterable[str]]) -> list[str]:
+    """`gptq`, `awq,gptq`, ["smoothquant", "gptq"] -> the step names, lower-cased."""
+    names = method.split(",") if isinstance(method, str) else list(method)
+    names = [str(n).strip().lower() for n in names if str(n).strip()]
+    if not names:
+        raise QuantkitError("no method given; use e.g. --method gptq or --method awq,gptq")
+    return names
+
+
+def build_recipe(method: Union[str, Iterable[str], Recipe, Step, type], options: dict[str, Any]) -> Recipe:
+    """The recipe a method names, with each option handed to the one step that declares it.
+
+    An option no step declares, or one two steps both declare, is refused: nothing is dropped
+    silently. Options given with a ready-made Recipe or Step instance are refused too (set them
+    on the instance)."""
+    if isinstance(method, (Recipe, Step)) or (isinstance(method, type) and issubclass(method, Step)):
+        if options and not isinstance(method, type):
+            raise QuantkitError(f"options {sorted(options)} were given with a ready {type(method).__name__} "
+                                "instance; pass them to its constructor instead")
+        return Recipe.of(method if not isinstance(method, type) else method(**options))
+    classes = [step_class(n) for n in parse_method(method)]
+    if len({c.name for c in classes}) != len(classes):
+        raise QuantkitError(f"method {method!r} names a step twice")
+    if classes[-1].kind == "transform":
+        classes.append(step_class("rtn"))
+    owners: dict[str, list[str]] = {}
+    for c in classes:
+        for key in c.options_spec:
+            owners.setdefault(key, []).append(c.name)
+    unknown = sorted(k for k in options if k not in owners)
+    if unknown:
+        allowed = ", ".join(sorted(owners)) or "none"
+        raise QuantkitError(f"unknown option(s) {unknown} for method {'+'.join(c.name for c in classes)!r}; "
+                            f"allowed: {allowed}")
+    shared = sorted(k for k in options if len(owners[k]) > 1)
+    if shared:
+        raise QuantkitError(f"option {shared[0]!r} belongs to several steps ({', '.join(owners[shared[0]])}); "
+                            "set it per step in a recipe file")
+    return Recipe([c(**{k: v for k, v in options.items() if owners[k] == [c.name]}) for c in classes])
