@@ -111,8 +111,7 @@ class GPTQQuantizer(Quantizer):
         for n, lin in linears:
             rows = slice(start, start + lin.out_features)
             start = rows.stop
-            part = replace(qw, qweight=qw.qweight[rows].clone(), scales=qw.scales[rows].clone(),
-                           zeros=qw.zeros[rows].clone(), bias=None if lin.bias is None else lin.bias.detach().clone())
+            part = replace(qw.select_rows(rows), bias=None if lin.bias is None else lin.bias.detach().clone())
             part_stats = {**stats, "loss": float(row_loss[rows].sum())}
             if mates:
                 part_stats["solved_with"] = [m for m, _ in linears if m != n]
