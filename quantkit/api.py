@@ -60,8 +60,12 @@ def quantize(
     progress: bool = True,
     resume: bool = False,
     streaming: Optional[bool] = None,
+    gguf_type: Optional[str] = None,
 ) -> dict[str, Any]:
     """Quantize `model` with `method` and write a packed checkpoint; returns a summary dict.
+
+    With format="gguf" the weights are quantized onto the blocks of `gguf_type` (a llama.cpp type
+    or mix, default the one matching bits/sym) and written as `<output>/model.gguf`.
 
     Progress is kept per layer in the output's hidden staging folder: after a crash, the same call
     with `resume=True` continues from the last finished layer and writes identical bytes.
@@ -88,7 +92,18 @@ def quantize(
     scheme: QuantScheme = scheme_from_dict(scheme_dict).with_default_sym(quantizer.default_sym)
     quantizer.check_scheme(scheme)
     format_name = format or rec.get("format") or quantizer.default_format
-    fmt = get_format(format_name)
+    is_gguf = str(format_name).lower() == "gguf"
+    if is_gguf:
+        from quantkit.ggml_types import check_gguf_type
+        from quantkit.gguf_export import default_gguf_type
+
+        if not quantizer.supports_grids:
+            raise QuantkitError(f"method {quantizer.name!r} cannot quantize onto GGUF's block grids; use --method gptq or rtn")
+        gguf_type = check_gguf_type(gguf_type or default_gguf_type(scheme.bits, scheme.sym))
+        format_name = "gguf"
+    elif gguf_type is not None:
+        raise QuantkitError("--gguf-type needs --format gguf")
+    fmt = None if is_gguf else get_format(format_name)
     if quantizer.quantizes_activations and not getattr(fmt, "ACTIVATION_STRATEGIES", None):
         raise QuantkitError(f"method {quantizer.name!r} quantizes activations (W8A8), which the {fmt.NAME} format "
                             "cannot store; use --format compressed-tensors")
@@ -112,7 +127,14 @@ def quantize(
     adapter = get_adapter(hf_model)
     shapes = linear_shapes(hf_model)
     schemes = scheme.resolve(shapes)
-    for name, lin_scheme in schemes.items():  # refuse what the format cannot store before calibrating
+    if is_gguf:  # each linear on the grid of the type llama-quantize would give it
+        from quantkit.gguf_export import linear_schemes
+
+        schemes = linear_schemes(hf_model, gguf_type, schemes)
+        if not schemes:
+            raise QuantkitError(f"--gguf-type {gguf_type} quantizes nothing; for a float GGUF use "
+                                f"`quantkit convert MODEL --format gguf --gguf-type {gguf_type}`")
+    for name, lin_scheme in ({} if is_gguf else schemes).items():  # refuse what the format cannot store
         try:
             fmt.packed_shapes(quantizer.planned_spec(*shapes[name], lin_scheme))
         except QuantkitError as err:
@@ -121,6 +143,7 @@ def quantize(
     if output is None:
         g = groups[0] if len(groups) == 1 else "mixed"
         tag = "w8a8" if quantizer.quantizes_activations else f"w{scheme.bits}" + ("pc" if g == -1 else f"g{g}")
+        tag = gguf_type.lower() if is_gguf else tag
         output = Path(f"{Path(base_name).name.lower()}-{quantizer.name}-{tag}")
         check_output_dir(output, overwrite)
         ProgressStore(staging_dir(output)).check_leftover(resume)
@@ -140,7 +163,8 @@ def quantize(
     elif batch_size < 1:
         raise QuantkitError(f"--batch-size must be at least 1, got {batch_size}")
     store = ProgressStore(staging_dir(output))
-    store.start(run_fingerprint(model=model, scheme=scheme, format=format_name, method=method_info, dtype=save_dtype,
+    store.start(run_fingerprint(model=model, scheme=scheme, format=f"gguf:{gguf_type}" if is_gguf else format_name,
+                                method=method_info, dtype=save_dtype,
                                 batch_size=batch_size, chat_template=chat_template, version=__version__,
                                 calibration_digest=_digest(input_ids)), resume=resume)
     try:
@@ -148,9 +172,13 @@ def quantize(
                        batch_size=batch_size, progress=progress, store=store, layer_source=layer_source,
                        release_layers=True)
         ignore_names = sorted(n for n in linear_shapes(hf_model) if n not in schemes)
-        write_checkpoint(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), format_name, method_info,
-                         quantizer.format_extra(), base_name, save_dtype, ignore_names, max_shard_size=max_shard_size,
-                         overwrite=overwrite)
+        if is_gguf:
+            _write_gguf(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), gguf_type, method_info,
+                        base_name, overwrite)
+        else:
+            write_checkpoint(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), format_name,
+                             method_info, quantizer.format_extra(), base_name, save_dtype, ignore_names,
+                             max_shard_size=max_shard_size, overwrite=overwrite)
     except QuantkitError:
         if not store.done_layers():
             shutil.rmtree(store.folder, ignore_errors=True)  # nothing worth resuming: leave no trace
@@ -166,6 +194,7 @@ def quantize(
         "bits": bits_used[0] if len(bits_used) == 1 else bits_used,
         "group_size": groups[0] if len(groups) == 1 else groups,
         "format": format_name,
+        **({"gguf_type": gguf_type} if is_gguf else {}),
         "quantized_linears": len(schemes),
         "streaming": layer_source is not None,
         "calibration_batch_size": batch_size if quantizer.needs_calibration else None,
@@ -173,6 +202,15 @@ def quantize(
         "peak_rss_mb": round(peak_rss_mb(), 1),
         **({"metrics": metrics} if metrics else {}),
     }
+
+
+def _write_gguf(output: Path, model, tokenizer, store, layers_prefix: str, gguf_type: str, method: dict,
+                base_name: str, overwrite: bool) -> None:
+    from quantkit.gguf_export import record_fetch, write_gguf_folder
+    from quantkit.progress import LAYER_DIR, RUN_FILE
+
+    write_gguf_folder(output, store.folder, model, tokenizer, gguf_type, record_fetch(model, store, layers_prefix),
+                      base_name, {**method, "gguf_type": gguf_type}, remove=(LAYER_DIR, RUN_FILE), overwrite=overwrite)
 
 
 def _digest(input_ids: Optional[torch.Tensor]) -> Optional[str]:

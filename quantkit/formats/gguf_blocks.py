@@ -256,7 +256,7 @@ def pack(qw: QuantizedWeight, t: GGMLType) -> np.ndarray:
 def unpack(raw, t: GGMLType, k: int) -> QuantizedWeight:
     """uint8 rows [N, t.row_bytes(k)] -> the QuantizedWeight they encode (codes, scales, offsets)."""
     _little_endian()
-    b = torch.as_tensor(np.ascontiguousarray(raw), dtype=torch.uint8)
+    b = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))  # a copy: raw may view a file mapping
     if b.dim() != 2 or b.shape[1] != t.row_bytes(k) or k % t.block:
         raise QuantkitError(f"GGUF {t.name}: {list(b.shape)} bytes do not hold rows of {k} weights")
     n, nb = b.shape[0], k // t.block
@@ -294,5 +294,5 @@ def pack_float(w: torch.Tensor, t: GGMLType, exact: bool = True) -> np.ndarray:
 
 
 def unpack_float(raw, t: GGMLType, shape: tuple[int, ...]) -> torch.Tensor:
-    b = torch.as_tensor(np.ascontiguousarray(raw), dtype=torch.uint8).reshape(-1)
+    b = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).reshape(-1)
     return b.view(FLOAT_TORCH[t.name]).reshape(shape)

@@ -46,6 +46,7 @@ class Quantizer:
     default_scheme: ClassVar[dict[str, Any]] = {}  # scheme keys the method implies (SmoothQuant: bits 8, per channel)
     quantizes_activations: ClassVar[bool] = False  # results carry input_quant (W8A8): the format must store it
     needs_observe: ClassVar[bool] = True  # False: the driver skips the per-stage `observe` pass (saves a layer run)
+    supports_grids: ClassVar[bool] = False  # honours LinearScheme.grid (a target format's fixed grid, e.g. GGUF)
 
     def __init__(self, **options):
         unknown = set(options) - set(self.options_spec)

@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
+from quantkit.ggml_types import ggml_type
 from quantkit.quantizers.base import LayerContext, Quantizer, register_quantizer
 from quantkit.quantizers.gptq_core import HessianAccumulator, act_order_kind, gptq_quantize
+from quantkit.quantizers.gguf_grid import choose_grid, rtn_on_grid
 from quantkit.quantizers.grid import rtn_quantize
 from quantkit.scheme import LinearScheme
 
@@ -24,6 +26,7 @@ from quantkit.scheme import LinearScheme
 class GPTQQuantizer(Quantizer):
     name = "gptq"
     default_sym = True
+    supports_grids = True
     needs_calibration = True
     options_spec = {
         "damp_percent": 0.01,
@@ -88,6 +91,8 @@ class GPTQQuantizer(Quantizer):
             warnings.warn(f"GPTQ: all {acc.n_dropped} calibration rows for {name} contain NaN/inf; "
                           "quantizing it with RTN instead", RuntimeWarning, stacklevel=2)
             self.layer_stats[name] = {"fallback": "rtn", "dropped": acc.n_dropped}
+            if scheme.grid is not None:
+                return rtn_on_grid(module.weight.data, ggml_type(scheme.grid), module.bias)
             return rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias)
         if acc is None or acc.n_samples == 0:
             raise QuantkitError(f"GPTQ saw no calibration inputs for {name}; check the dataset")
@@ -101,11 +106,16 @@ class GPTQQuantizer(Quantizer):
             del self._hessians[m]
         o = self.options
         weight = torch.cat([lin.weight.data for _, lin in linears]) if mates else module.weight.data
+        H = acc.hessian().to(module.weight.device)
+        grid = choose_grid(weight, ggml_type(scheme.grid)) if scheme.grid is not None else None
         qw, stats = gptq_quantize(
-            weight, acc.hessian().to(module.weight.device), bits=scheme.bits, group_size=scheme.group_size,
+            weight if grid is None else grid.shifted(weight), H, bits=scheme.bits, group_size=scheme.group_size,
             sym=scheme.sym, block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
             act_order=bool(o["desc_act"]), static_groups=bool(o["static_groups"]), mse=bool(o["mse"]),
+            qparams=None if grid is None else (grid.scale, grid.zero),
         )
+        if grid is not None:  # the codes GPTQ chose on the fixed grid, with the grid's offsets and k-quant scales
+            qw = grid.on_grid(qw.qweight)
         row_loss = stats.pop("row_loss")
         start = 0
         for n, lin in linears:
