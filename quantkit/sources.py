@@ -167,6 +167,9 @@ def _load_llama_gguf(path: Path):
     finally:
         f.close()
     state = {k: (v.dequantize() if isinstance(v, QuantizedWeight) else v.float()) for k, v in tensors.items()}
+    for name, value in state.items():
+        if not bool(torch.isfinite(value).all()):
+            raise QuantkitError(f"GGUF file {path}: tensor {name} decodes to NaN/inf values; the file is corrupt")
     expected = model.state_dict()
     for name, value in state.items():
         if name not in expected or tuple(expected[name].shape) != tuple(value.shape):

@@ -198,7 +198,10 @@ def read_tensor(f: GGUFFile, name: str) -> Union[QuantizedWeight, torch.Tensor]:
     if ti.type.name not in TYPES:
         import gguf
 
-        values = gguf.quants.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType(ti.type.id))
+        try:
+            values = gguf.quants.dequantize(np.array(raw).reshape(-1), gguf.GGMLQuantizationType(ti.type.id))
+        except (NotImplementedError, ValueError) as exc:
+            raise QuantkitError(f"GGUF tensor {name!r} has type {ti.type.name}, which cannot be decoded ({exc})") from None
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(ti.torch_shape)
     if ti.type.quantized:
         if len(ti.shape) != 2:

@@ -59,7 +59,10 @@ class GGUFFile:
 
     def close(self) -> None:
         if self._map is not None:
-            self._map.close()
+            try:
+                self._map.close()
+            except BufferError:  # a caller still holds a view of a tensor: the mapping goes with it
+                pass
             self._map = None
 
 
