@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from quantkit.checkpoint import _normal_permissions, _replace_dir, check_output_dir, model_card, write_safetensors
+from quantkit.checkpoint import normal_permissions, replace_dir, check_output_dir, model_card, write_safetensors
 from quantkit.errors import QuantkitError
 from quantkit.formats import format_for_quant_method, get_format
 from quantkit.formats.spec import LinearSpec
@@ -127,8 +127,8 @@ def _to_layout(folder, cfg, model, state, qws, target, output, stage, overwrite)
     _carry_files(folder, stage)
     method = {"method": "convert", "source": str(folder), "source_format": source_q.get("quant_method")}
     (stage / "README.md").write_text(model_card(str(folder), fmt.NAME, method, qcfg, specs, None))
-    _normal_permissions(stage)
-    _replace_dir(stage, output)
+    normal_permissions(stage)
+    replace_dir(stage, output)
     return {}
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from quantkit.checkpoint import _normal_permissions, _replace_dir, check_output_dir, model_card
+from quantkit.checkpoint import normal_permissions, replace_dir, check_output_dir, model_card
 from quantkit.errors import QuantkitError
 from quantkit.formats import gguf as gguf_format
 from quantkit.formats.spec import LinearSpec
@@ -94,8 +94,8 @@ def write_gguf_folder(output: Path, stage: Path, model, tokenizer, gguf_type: st
     for name in remove:
         path = stage / name
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-    _normal_permissions(stage)
-    _replace_dir(stage, output)
+    normal_permissions(stage)
+    replace_dir(stage, output)
     return output
 
 
