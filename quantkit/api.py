@@ -47,13 +47,16 @@ def quantize(
     progress: bool = True,
     resume: bool = False,
     streaming: Optional[bool] = None,
+    gguf_type: Optional[str] = None,
 ) -> dict[str, Any]:
     """Quantize `model` with `method` and write a packed checkpoint; returns a summary dict.
 
     `method` is a step name (`gptq`), several (`awq,gptq` or a list: transforms, then one weight
     quantizer), or a `Step` instance; `recipe` a YAML recipe (path or bundled name) that the other
     arguments override. Arguments a method does not use are refused, not ignored (e.g. `dataset`
-    for RTN). Progress is kept per layer in the output's hidden staging folder: after a crash, the
+    for RTN). With format="gguf" the weights are quantized onto the blocks of `gguf_type` (a
+    llama.cpp type or mix, default the one matching bits/sym) and written as `<output>/model.gguf`.
+    Progress is kept per layer in the output's hidden staging folder: after a crash, the
     same call with `resume=True` continues from the last finished layer and writes identical bytes.
     `streaming=None` reads decoder layers from disk one at a time when the model would not fit
     comfortably in memory (True/False force it)."""
@@ -63,7 +66,7 @@ def quantize(
 
     t0 = time.perf_counter()
     plan = resolve_plan(method, recipe_file=recipe, options=options, bits=bits, group_size=group_size, sym=sym,
-                        ignore=ignore, format=format,
+                        ignore=ignore, format=format, gguf_type=gguf_type,
                         calibration={"dataset": dataset, "num_samples": num_samples, "seq_len": seq_len, "seed": seed,
                                      "chat_template": chat_template, "batch_size": batch_size})
     if output is not None:
@@ -106,6 +109,14 @@ def _linear_schemes(plan, hf_model) -> dict:
     fmt = get_format(plan.format)
     shapes = linear_shapes(hf_model)
     schemes = plan.scheme.resolve(shapes)
+    if plan.gguf_type is not None:  # each linear on the grid of the type llama-quantize would give it
+        from quantkit.gguf_export import linear_schemes
+
+        schemes = linear_schemes(hf_model, plan.gguf_type, schemes)
+        if not schemes:
+            raise QuantkitError(f"--gguf-type {plan.gguf_type} quantizes nothing; for a float GGUF use "
+                                f"`quantkit convert MODEL --format gguf --gguf-type {plan.gguf_type}`")
+        return schemes
     for name, lin_scheme in schemes.items():
         try:
             fmt.packed_shapes(plan.recipe.planned_spec(*shapes[name], lin_scheme))
@@ -118,6 +129,7 @@ def _default_output(base_name: str, plan, schemes: dict) -> Path:
     groups = sorted({s.group_size for s in schemes.values()})
     g = groups[0] if len(groups) == 1 else "mixed"
     tag = "w8a8" if plan.recipe.quantizes_activations else f"w{plan.scheme.bits}" + ("pc" if g == -1 else f"g{g}")
+    tag = plan.gguf_type.lower() if plan.gguf_type else tag
     return Path(f"{Path(base_name).name.lower()}-{plan.recipe.name.replace('+', '-')}-{tag}")
 
 
@@ -140,7 +152,7 @@ def _progress_store(output: Path, model: str, plan, save_dtype, batch_size, inpu
     from quantkit.progress import ProgressStore, run_fingerprint
 
     store = ProgressStore(staging_dir(output))
-    store.start(run_fingerprint(model=model, scheme=plan.scheme, format=plan.format, method=plan.method_info(),
+    store.start(run_fingerprint(model=model, scheme=plan.scheme, format=f"gguf:{plan.gguf_type}" if plan.gguf_type else plan.format, method=plan.method_info(),
                                 dtype=save_dtype, batch_size=batch_size, version=__version__,
                                 calibration_digest=_digest(input_ids)), resume=resume)
     return store
@@ -155,9 +167,13 @@ def _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job: dict,
     try:
         quantize_model(hf_model, adapter, plan.recipe, schemes, input_ids, release_layers=True, **job)
         ignore_names = sorted(n for n in linear_shapes(hf_model) if n not in schemes)
-        write_checkpoint(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), plan.format,
-                         plan.method_info(), plan.recipe.format_extra(), base_name, save_dtype, ignore_names,
-                         max_shard_size=max_shard_size, overwrite=overwrite)
+        if plan.gguf_type is not None:
+            _write_gguf(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), plan.gguf_type,
+                        plan.method_info(), base_name, overwrite)
+        else:
+            write_checkpoint(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), plan.format,
+                             plan.method_info(), plan.recipe.format_extra(), base_name, save_dtype, ignore_names,
+                             max_shard_size=max_shard_size, overwrite=overwrite)
     except QuantkitError:
         if not store.done_layers():
             shutil.rmtree(store.folder, ignore_errors=True)  # nothing worth resuming: leave no trace
@@ -174,6 +190,7 @@ def _summary(output: Path, plan, schemes: dict, layer_source, cal_batch, t0: flo
         "group_size": groups[0] if len(groups) == 1 else groups,
         "sym": plan.scheme.sym,
         "format": plan.format,
+        **({"gguf_type": plan.gguf_type} if plan.gguf_type else {}),
         "quantized_linears": len(schemes),
         "streaming": layer_source is not None,
         "calibration_batch_size": cal_batch,
@@ -181,6 +198,15 @@ def _summary(output: Path, plan, schemes: dict, layer_source, cal_batch, t0: flo
         "peak_rss_mb": round(peak_rss_mb(), 1),
         **({"metrics": metrics} if metrics else {}),
     }
+
+
+def _write_gguf(output: Path, model, tokenizer, store, layers_prefix: str, gguf_type: str, method: dict,
+                base_name: str, overwrite: bool) -> None:
+    from quantkit.gguf_export import record_fetch, write_gguf_folder
+    from quantkit.progress import LAYER_DIR, RUN_FILE
+
+    write_gguf_folder(output, store.folder, model, tokenizer, gguf_type, record_fetch(model, store, layers_prefix),
+                      base_name, {**method, "gguf_type": gguf_type}, remove=(LAYER_DIR, RUN_FILE), overwrite=overwrite)
 
 
 def _digest(input_ids: Optional[torch.Tensor]) -> Optional[str]:

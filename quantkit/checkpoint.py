@@ -123,8 +123,8 @@ def write_checkpoint(
     (stage / "README.md").write_text(model_card(base_model, format_name, method, qcfg, specs, metrics))
     shutil.rmtree(stage / LAYER_DIR)
     (stage / RUN_FILE).unlink()
-    _normal_permissions(stage)
-    _replace_dir(stage, output)
+    normal_permissions(stage)
+    replace_dir(stage, output)
     return output
 
 
@@ -213,7 +213,7 @@ def _save_config(model, folder: Path, qcfg: dict, save_dtype: torch.dtype) -> No
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _normal_permissions(folder: Path) -> None:
+def normal_permissions(folder: Path) -> None:
     """Staged files may be created private (0600); a checkpoint is meant to be shared."""
     umask = os.umask(0)
     os.umask(umask)
@@ -222,7 +222,7 @@ def _normal_permissions(folder: Path) -> None:
         f.chmod(0o666 & ~umask)
 
 
-def _replace_dir(stage: Path, output: Path) -> None:
+def replace_dir(stage: Path, output: Path) -> None:
     """Rename the finished staging folder into place; an old output (with --overwrite) goes only after."""
     old = None
     if output.exists():

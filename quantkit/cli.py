@@ -46,7 +46,9 @@ def cli():
 @click.option("--bits", type=int, default=None, help="2, 3, 4 or 8 (default 4).")
 @click.option("--group-size", default=None, help="32, 64, 128, -1 (per channel) or auto (default).")
 @click.option("--sym/--asym", default=None, help="Symmetric or asymmetric grid (default: the method's usual).")
-@click.option("--format", "format_", default=None, help="gptq, compressed-tensors or awq (default: the method's).")
+@click.option("--format", "format_", default=None, help="gptq, compressed-tensors, awq or gguf (default: the method's).")
+@click.option("--gguf-type", default=None, help="With --format gguf: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, "
+              "Q4_K_M or Q5_K_M (default: the type matching --bits/--sym).")
 @click.option("--recipe", default=None, help="YAML recipe (path or bundled name); flags override it.")
 @click.option("--dataset", default=None, help="lee (default) or wiki (both offline), wikitext2, c4, pileval, ultrachat, or a .txt/.jsonl/.json/.parquet file.")
 @click.option("--num-samples", type=int, default=None, help="Calibration sequences (default 128).")
@@ -73,7 +75,7 @@ def cli():
 @click.option("--static-groups", is_flag=True, help="GPTQ: group scales computed up front (keeps act-order groups contiguous).")
 @click.option("--mse", is_flag=True, help="GPTQ: search a shrunk group range with the lowest reconstruction error.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line of stdout.")
-def quantize(model, method, bits, group_size, sym, format_, recipe, dataset, num_samples, seq_len, seed, chat_template,
+def quantize(model, method, bits, group_size, sym, format_, gguf_type, recipe, dataset, num_samples, seq_len, seed, chat_template,
              ignore, options, output, overwrite, dtype, device, trust_remote_code, max_shard_size, batch_size, eval_after,
              resume, streaming, offload_hessians, desc_act, static_groups, mse, as_json):
     """Quantize a model and write a packed checkpoint."""
@@ -88,9 +90,28 @@ def quantize(model, method, bits, group_size, sym, format_, recipe, dataset, num
                                                                                mse=mse), output=output,
         overwrite=overwrite, dtype=dtype, device=device, trust_remote_code=trust_remote_code, max_shard_size=max_shard_size,
         batch_size=batch_size, eval_after=eval_after, progress=not as_json, resume=resume, streaming=streaming,
+        gguf_type=gguf_type,
     )
     _emit(result, as_json, f"wrote {result['output']} ({result['method']}, {result['bits']}-bit, group {result['group_size']}, "
                            f"{result['format']}) in {result['seconds']:.1f} s, peak RSS {result['peak_rss_mb']:.0f} MB")
+
+
+@cli.command()
+@click.argument("src")
+@click.option("--format", "format_", required=True, help="gptq, awq, compressed-tensors or gguf.")
+@click.option("--output", required=True, help="Destination folder (written in a staging folder, renamed at the end).")
+@click.option("--gguf-type", default=None, help="With --format gguf: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 for a quantized "
+              "source (default: its grid's), F16, BF16 or F32.")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder (only once the new one is complete).")
+@click.option("--json", "as_json", is_flag=True)
+def convert(src, format_, output, gguf_type, overwrite, as_json):
+    """Re-pack a checkpoint into another layout, losslessly, or refuse saying what would be lost."""
+    from quantkit.convert import convert as run
+
+    _quiet_libraries()
+    r = run(src, format_, output, gguf_type=gguf_type, overwrite=overwrite)
+    _emit(r, as_json, f"wrote {r['output']} ({r['format']}{' ' + r['gguf_type'] if r.get('gguf_type') else ''}, "
+                      f"{r['quantized_linears']} quantized linears carried over exactly)")
 
 
 @cli.command("eval")

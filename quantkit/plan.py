@@ -44,6 +44,7 @@ class QuantizePlan:
     scheme: QuantScheme
     format: str
     calibration: Optional[Calibration]  # None: the method reads no data
+    gguf_type: Optional[str] = None  # with format "gguf": the llama.cpp type or mix the weights go onto
 
     def method_info(self) -> dict[str, Any]:
         """What the model card and the resume fingerprint record of the method: nothing it did not use."""
@@ -106,17 +107,35 @@ def parse_option_value(text: str) -> Any:
 
 
 def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = None, bits=None, group_size=None,
-                 sym=None, ignore=None, format=None, calibration: Optional[dict] = None) -> QuantizePlan:
+                 sym=None, ignore=None, format=None, gguf_type=None, calibration: Optional[dict] = None) -> QuantizePlan:
     """Recipe file + explicit arguments (which win) -> a frozen plan. `calibration` holds only the
     calibration arguments the caller gave explicitly (dataset, num_samples, ...)."""
     rec = read_recipe_file(recipe_file) if recipe_file else {}
     recipe = build_recipe(method if method is not None else rec.get("method", DEFAULT_METHOD),
                           {**(rec.get("options") or {}), **(options or {})})
     scheme = _scheme(recipe, rec.get("scheme") or {}, bits=bits, group_size=group_size, sym=sym, ignore=ignore)
-    format_name = format or rec.get("format") or recipe.default_format
-    _check_format(recipe, format_name)
-    return QuantizePlan(recipe=recipe, scheme=scheme, format=format_name,
+    format_name = str(format or rec.get("format") or recipe.default_format)
+    if format_name.lower() == "gguf":
+        format_name, gguf_type = "gguf", _gguf_type(recipe, scheme, gguf_type)
+    elif gguf_type is not None:
+        raise QuantkitError("--gguf-type needs --format gguf")
+    else:
+        _check_format(recipe, format_name)
+    return QuantizePlan(recipe=recipe, scheme=scheme, format=format_name, gguf_type=gguf_type,
                         calibration=_calibration(recipe, rec.get("calibration") or {}, calibration or {}))
+
+
+def _gguf_type(recipe: Recipe, scheme: QuantScheme, gguf_type: Optional[str]) -> str:
+    """The llama.cpp type (or mix) to quantize onto: the one asked for, else the scheme's match."""
+    from quantkit.ggml_types import check_gguf_type
+    from quantkit.gguf_export import default_gguf_type
+
+    if not recipe.quantizer.supports_grids:
+        raise QuantkitError(f"method {recipe.name!r} cannot quantize onto GGUF's block grids; use --method gptq or rtn")
+    if recipe.quantizes_activations:
+        raise QuantkitError(f"method {recipe.name!r} quantizes activations (W8A8), which GGUF cannot store; "
+                            "use --format compressed-tensors")
+    return check_gguf_type(gguf_type or default_gguf_type(scheme.bits, scheme.sym))
 
 
 def _scheme(recipe: Recipe, from_file: dict, **flags) -> QuantScheme:

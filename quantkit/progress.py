@@ -18,11 +18,12 @@ from typing import Any, Optional
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.qtensor import QuantizedWeight
+from quantkit.qtensor import QuantizedWeight, TwoLevelScales
 
 RUN_FILE = "run.json"
 LAYER_DIR = "layers"
 _QW_FIELDS = ("qweight", "scales", "zeros", "g_idx")
+_TWO_LEVEL_FIELDS = ("d", "sc", "dmin", "m")
 
 
 @dataclass
@@ -77,6 +78,14 @@ class ProgressStore:
             if qw.bias is not None:
                 tensors[f"q::{name}::bias"] = qw.bias.contiguous()
             meta[name] = {"bits": qw.bits, "group_size": qw.group_size, "sym": qw.sym, "act_order": qw.act_order}
+            if qw.offsets is not None:
+                tensors[f"q::{name}::offsets"] = qw.offsets.contiguous()
+            if qw.two_level is not None:  # k-quant grid: its integers, the float scales follow from them
+                tl = qw.two_level
+                meta[name]["two_level_super"] = tl.super_size
+                for f in _TWO_LEVEL_FIELDS:
+                    if getattr(tl, f) is not None:
+                        tensors[f"q::{name}::two_level_{f}"] = getattr(tl, f).contiguous()
             if qw.input_quant is not None:  # W8A8: the activation scheme, its static scale as a tensor
                 meta[name]["input_quant"] = {k: v for k, v in qw.input_quant.items() if k != "scale"}
                 if "scale" in qw.input_quant:
@@ -142,6 +151,9 @@ class ProgressStore:
             info = dict(meta[name])
             if "input_scale" in fields:
                 info["input_quant"] = {**info["input_quant"], "scale": fields.pop("input_scale")}
+            if "two_level_super" in info:
+                parts = {f: fields.pop(f"two_level_{f}", None) for f in _TWO_LEVEL_FIELDS}
+                info["two_level"] = TwoLevelScales(super_size=info.pop("two_level_super"), **parts)
             qws[name] = QuantizedWeight(**fields, **info)
         return LayerRecord(index=index, quantized=qws, other=other)
 

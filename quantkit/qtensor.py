@@ -8,6 +8,14 @@ Convention (GPTQ's, shared by AWQ and compressed-tensors once offsets are applie
 with unsigned integer codes qweight in [0, 2**bits) and integer zeros in the same range.
 Symmetric schemes use zeros == 2**(bits-1) everywhere.
 
+Grids whose offset is a float, not an integer zero (llama.cpp's Q4_1/Q5_1 and k-quants: value =
+d*q + m), carry `offsets` (float32 [N, n_groups], added after scaling; zeros are then 0):
+    W[n, k] = scales[n, g] * (qweight[n, k] - zeros[n, g]) + offsets[n, g]
+Two-level grids (the k-quants: per 256 columns an fp16 d (and dmin), per sub-block a small integer
+sc (and m)) also carry `two_level`, from which `scales` (= d*sc) and `offsets` (= -dmin*m) are
+derived exactly; a packer needs the integers, which a float product does not give back.
+Layouts that cannot hold either refuse such a weight (formats/checks.py).
+
 `input_quant` (None for weight-only schemes) says how the linear's *input* is quantized at run time
 (W8A8): int8 symmetric, {"strategy": "token", "dynamic": True} (scale = absmax/127 per token) or
 {"strategy": "tensor", "dynamic": False, "scale": fp32 tensor [1]} (a calibrated static scale).
@@ -24,6 +32,42 @@ from quantkit.errors import QuantkitError
 
 
 @dataclass
+class TwoLevelScales:
+    """k-quant scales: per super-block (`super_size` columns) d and dmin (fp16 values in float32
+    [N, n_super]), per group an integer sc and m (int16 [N, n_groups]); sc is signed for Q6_K.
+    scale = d * sc and offset = -(dmin * m), both exact in float32."""
+
+    d: torch.Tensor
+    sc: torch.Tensor
+    super_size: int
+    dmin: Optional[torch.Tensor] = None  # None: symmetric k-quant (Q6_K), no offsets
+    m: Optional[torch.Tensor] = None
+
+    def per_group(self, name: str) -> Optional[torch.Tensor]:
+        """d (or dmin) repeated for each group of its super-block: [N, n_groups]."""
+        t = self.d if name == "d" else self.dmin
+        if t is None:
+            return None
+        return t.repeat_interleave(self.sc.shape[1] // t.shape[1], dim=1)
+
+    def scales(self) -> torch.Tensor:
+        return self.per_group("d") * self.sc.float()
+
+    def offsets(self) -> Optional[torch.Tensor]:
+        return None if self.dmin is None else -(self.per_group("dmin") * self.m.float())
+
+    def to(self, device) -> "TwoLevelScales":
+        move = (lambda t: None if t is None else t.to(device))
+        return TwoLevelScales(d=move(self.d), sc=move(self.sc), super_size=self.super_size, dmin=move(self.dmin),
+                              m=move(self.m))
+
+    def select_rows(self, rows) -> "TwoLevelScales":
+        pick = (lambda t: None if t is None else t[rows].clone())
+        return TwoLevelScales(d=pick(self.d), sc=pick(self.sc), super_size=self.super_size, dmin=pick(self.dmin),
+                              m=pick(self.m))
+
+
+@dataclass
 class QuantizedWeight:
     qweight: torch.Tensor  # uint8 [N, K], codes in [0, 2**bits)
     scales: torch.Tensor  # float32 [N, n_groups]; values already representable in the storage dtype
@@ -37,6 +81,8 @@ class QuantizedWeight:
     # order) or "dynamic" (groups formed in processing order; g_idx is a real permutation map)
     act_order: str = "none"
     input_quant: Optional[dict] = None  # activation quantization (W8A8), see the module docstring
+    offsets: Optional[torch.Tensor] = None  # float32 [N, n_groups] added after scaling (float-min grids)
+    two_level: Optional[TwoLevelScales] = None  # k-quant integers behind scales/offsets
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -56,11 +102,35 @@ class QuantizedWeight:
             # (the same fp32 operations on the same values, so the same bits, at a fraction of the memory)
             s = self.scales.float().unsqueeze(2)
             z = self.zeros.float().unsqueeze(2)
-            return ((self.qweight.reshape(n, groups, gs).float() - z) * s).reshape(n, k).to(dtype)
+            w = (self.qweight.reshape(n, groups, gs).float() - z) * s
+            if self.offsets is not None:
+                w = w + self.offsets.float().unsqueeze(2)
+            return w.reshape(n, k).to(dtype)
         g = self.g_idx.long()
         s = self.scales.float()[:, g]
         z = self.zeros.float()[:, g]
-        return ((self.qweight.float() - z) * s).to(dtype)
+        w = (self.qweight.float() - z) * s
+        if self.offsets is not None:
+            w = w + self.offsets.float()[:, g]
+        return w.to(dtype)
+
+    def to(self, device) -> "QuantizedWeight":
+        """Every tensor (codes, scales, zeros, g_idx, bias, offsets, k-quant scales) on `device`."""
+        from dataclasses import replace
+
+        move = (lambda t: None if t is None else t.detach().to(device))
+        return replace(self, qweight=move(self.qweight), scales=move(self.scales), zeros=move(self.zeros),
+                       g_idx=move(self.g_idx), bias=move(self.bias), offsets=move(self.offsets),
+                       two_level=None if self.two_level is None else self.two_level.to(device))
+
+    def select_rows(self, rows) -> "QuantizedWeight":
+        """The output rows `rows` (a slice) as their own QuantizedWeight (a stacked solve split up)."""
+        from dataclasses import replace
+
+        return replace(self, qweight=self.qweight[rows].clone(), scales=self.scales[rows].clone(),
+                       zeros=self.zeros[rows].clone(), bias=None if self.bias is None else self.bias[rows].clone(),
+                       offsets=None if self.offsets is None else self.offsets[rows].clone(),
+                       two_level=None if self.two_level is None else self.two_level.select_rows(rows))
 
     def has_trivial_g_idx(self) -> bool:
         k = self.qweight.shape[1]

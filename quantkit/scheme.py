@@ -24,6 +24,7 @@ class LinearScheme:
     bits: int
     group_size: int  # -1: one group per output channel
     sym: bool
+    grid: Optional[str] = None  # a target format's fixed grid (a GGUF type such as "Q4_K"); None: the method's own
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,9 @@ def quantized_weight(qw: QuantizedWeight, fmt: str) -> LinearSpec:
     """Check a QuantizedWeight's tensors agree with each other; return its spec."""
     spec = LinearSpec.of(qw)
     n, k, groups = spec.out_features, spec.in_features, spec.n_groups
+    if qw.offsets is not None or qw.two_level is not None:
+        raise QuantkitError(f"{fmt} stores integer zero points only; this weight is on a float-offset or two-level "
+                            "grid (GGUF Q4_1/Q5_1/k-quants), which it cannot hold exactly: keep --format gguf")
     if qw.qweight.dtype != torch.uint8:
         raise QuantkitError(f"{fmt}: qweight codes must be uint8, got {qw.qweight.dtype}")
     for name, t, shape in (("scales", qw.scales, (n, groups)), ("zeros", qw.zeros, (n, groups)),

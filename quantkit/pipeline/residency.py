@@ -2,8 +2,6 @@
 written back or dropped afterwards, saved for resume and restored from a saved record."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from torch import nn
 
@@ -85,5 +83,4 @@ def check_finite(name: str, qw: QuantizedWeight) -> None:
 
 
 def to_cpu(qw: QuantizedWeight) -> QuantizedWeight:
-    return replace(qw, qweight=qw.qweight.cpu(), scales=qw.scales.cpu(), zeros=qw.zeros.cpu(), g_idx=qw.g_idx.cpu(),
-                   bias=None if qw.bias is None else qw.bias.detach().cpu())
+    return qw.to("cpu")

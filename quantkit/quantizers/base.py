@@ -57,6 +57,7 @@ class Step:
     # wants each linear's input in the unquantized model too (`observe(..., reference=)`): the pipeline
     # then runs a full-precision copy of every layer on the full-precision hidden states beside it
     needs_reference_inputs: ClassVar[bool] = False
+    supports_grids: ClassVar[bool] = False  # honours LinearScheme.grid (a target format's fixed grid, e.g. GGUF)
 
     def __init__(self, **options):
         unknown = set(options) - set(self.options_spec)

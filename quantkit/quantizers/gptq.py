@@ -14,9 +14,11 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
+from quantkit.ggml_types import ggml_type
 from quantkit.quantizers.base import LayerContext, Quantizer, register_step
 from quantkit.quantizers.gptq_core import (CrossAccumulator, HessianAccumulator, act_order_kind, asymmetric_target,
                                            gptq_quantize)
+from quantkit.quantizers.gguf_grid import choose_grid, rtn_on_grid
 from quantkit.quantizers.grid import rtn_quantize
 from quantkit.scheme import LinearScheme
 
@@ -24,6 +26,7 @@ from quantkit.scheme import LinearScheme
 @register_step
 class GPTQQuantizer(Quantizer):
     name = "gptq"
+    supports_grids = True
     options_spec = {
         "damp_percent": 0.01,
         "block_size": 128,
@@ -106,6 +109,8 @@ class GPTQQuantizer(Quantizer):
             warnings.warn(f"GPTQ: all {acc.n_dropped} calibration rows for {name} contain NaN/inf; "
                           "quantizing it with RTN instead", RuntimeWarning, stacklevel=2)
             self.layer_stats[name] = {"fallback": "rtn", "dropped": acc.n_dropped}
+            if scheme.grid is not None:
+                return rtn_on_grid(module.weight.data, ggml_type(scheme.grid), module.bias)
             return rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias)
         if acc is None or acc.n_samples == 0:
             raise QuantkitError(f"GPTQ saw no calibration inputs for {name}; check the dataset")
@@ -124,18 +129,21 @@ class GPTQQuantizer(Quantizer):
         if cross is not None:  # GPTAQ: GPTQ on the target that reproduces the unquantized model's output
             weight = asymmetric_target(weight, H, cross.cross().to(H.device), float(o["gptaq_alpha"]),
                                        float(o["damp_percent"]))
+        grid = choose_grid(weight, ggml_type(scheme.grid)) if scheme.grid is not None else None
         qw, stats = gptq_quantize(
-            weight, H, bits=scheme.bits, group_size=scheme.group_size,
+            weight if grid is None else grid.shifted(weight), H, bits=scheme.bits, group_size=scheme.group_size,
             sym=scheme.sym, block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
             act_order=bool(o["desc_act"]), static_groups=bool(o["static_groups"]), mse=bool(o["mse"]),
+            qparams=None if grid is None else (grid.scale, grid.zero),
         )
+        if grid is not None:  # the codes GPTQ chose on the fixed grid, with the grid's offsets and k-quant scales
+            qw = grid.on_grid(qw.qweight)
         row_loss = stats.pop("row_loss")
         start = 0
         for n, lin in linears:
             rows = slice(start, start + lin.out_features)
             start = rows.stop
-            part = replace(qw, qweight=qw.qweight[rows].clone(), scales=qw.scales[rows].clone(),
-                           zeros=qw.zeros[rows].clone(), bias=None if lin.bias is None else lin.bias.detach().clone())
+            part = replace(qw.select_rows(rows), bias=None if lin.bias is None else lin.bias.detach().clone())
             part_stats = {**stats, "loss": float(row_loss[rows].sum())}
             if mates:
                 part_stats["solved_with"] = [m for m, _ in linears if m != n]

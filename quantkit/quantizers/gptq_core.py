@@ -393,8 +393,12 @@ def _solve_columns(WT, codesT, QT, row_loss, Hinv, col_group, gs, bits, sym, mse
 def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: int, sym: bool,
                   block_size: int = 128, damp_percent: float = 0.01, act_order: bool = False,
                   static_groups: bool = False, mse: bool = False, bias: Optional[torch.Tensor] = None,
-                  return_dequant: bool = False) -> tuple[QuantizedWeight, dict]:
+                  return_dequant: bool = False, qparams: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                  ) -> tuple[QuantizedWeight, dict]:
     """Quantize weight [N, K] with GPTQ given the layer-input Hessian H [K, K].
+
+    `qparams` = (scale, zero), float32 [N, K / group_size] each: a grid fixed in advance by a target
+    format (GGUF's blocks), used like static groups instead of computing scales from the weights.
 
     Returns the QuantizedWeight in the original column order and a stats dict:
     loss (the reference "error": sum of err^2 / 2), damp (absolute value added to diag H),
@@ -449,6 +453,11 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
     if group_size == -1:
         static_scale, static_zero = find_qparams(W, bits, sym, mse)  # one group: order-free
         static_scale, static_zero = static_scale.unsqueeze(1), static_zero.unsqueeze(1)
+    elif qparams is not None:  # a target format's fixed grid
+        static_scale, static_zero = (q.to(device=dev, dtype=torch.float32) for q in qparams)
+        if tuple(static_scale.shape) != (n, n_groups) or tuple(static_zero.shape) != (n, n_groups):
+            raise ValueError(f"qparams must be [{n}, {n_groups}] each, got {tuple(static_scale.shape)}")
+        static_groups = True
     elif static_groups:  # all groups up front, from the original weights in original order
         s, z = find_qparams(W.reshape(n * n_groups, gs), bits, sym, mse)
         static_scale, static_zero = s.view(n, n_groups), z.view(n, n_groups)

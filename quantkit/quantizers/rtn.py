@@ -4,6 +4,8 @@ from __future__ import annotations
 from torch import nn
 
 from quantkit.quantizers.base import Quantizer, register_step
+from quantkit.ggml_types import ggml_type
+from quantkit.quantizers.gguf_grid import rtn_on_grid
 from quantkit.quantizers.grid import rtn_quantize
 from quantkit.scheme import LinearScheme
 
@@ -14,5 +16,9 @@ class RTNQuantizer(Quantizer):
     needs_calibration = False
     observes = False
 
+    supports_grids = True
+
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme):
+        if scheme.grid is not None:  # a GGUF type's blocks, parameters chosen as llama.cpp does
+            return rtn_on_grid(module.weight.data, ggml_type(scheme.grid), module.bias)
         return rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias)

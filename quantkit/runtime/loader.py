@@ -34,6 +34,18 @@ def resolve_checkpoint(path: str) -> Path:
     return p
 
 
+def gguf_model_file(path: str) -> Optional[Path]:
+    """The GGUF file behind `path`: a .gguf file itself, or a folder quantkit wrote with --format gguf."""
+    p = Path(path)
+    if p.suffix == ".gguf" and p.is_file():
+        return p
+    if p.is_dir() and (p / "config.json").is_file():
+        qcfg = read_config(p).get("quantization_config")
+        if isinstance(qcfg, dict) and qcfg.get("quant_method") == "gguf":
+            return p / Path(str(qcfg.get("gguf_file", "model.gguf"))).name
+    return None
+
+
 def read_config(folder: Path) -> dict:
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
@@ -177,6 +189,12 @@ def load_model(path: str, backend: str = "auto", device: Optional[str] = None, d
     """A transformers causal LM whose quantized linears are `QuantLinear`s on `backend`."""
     from quantkit.sources import parse_dtype
 
+    gguf_file = gguf_model_file(path)
+    if gguf_file is not None:  # llama.cpp's file: dequantized by quantkit's own GGUF reader
+        from quantkit.sources import load_source_model
+
+        model = load_source_model(str(gguf_file), dtype=None)[0]
+        return model.to(device=torch.device(device or "cpu"), dtype=parse_dtype(dtype) or torch.float32)
     folder = resolve_checkpoint(path)
     cfg = read_config(folder)
     qcfg = cfg.get("quantization_config")
@@ -308,6 +326,11 @@ def _load_plain(folder: Path, files: list[Path], dtype, device, trust_remote_cod
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    gguf_file = gguf_model_file(path)
+    if gguf_file is not None and Path(path).is_file():
+        from quantkit.sources import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(gguf_file)
     folder = resolve_checkpoint(path)
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
