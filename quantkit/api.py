@@ -106,7 +106,6 @@ def _linear_schemes(plan, hf_model) -> dict:
     """Every target linear's scheme; what the format cannot store is refused before calibrating."""
     from quantkit.formats import get_format
 
-    fmt = get_format(plan.format)
     shapes = linear_shapes(hf_model)
     schemes = plan.scheme.resolve(shapes)
     if plan.gguf_type is not None:  # each linear on the grid of the type llama-quantize would give it
@@ -117,6 +116,7 @@ def _linear_schemes(plan, hf_model) -> dict:
             raise QuantkitError(f"--gguf-type {plan.gguf_type} quantizes nothing; for a float GGUF use "
                                 f"`quantkit convert MODEL --format gguf --gguf-type {plan.gguf_type}`")
         return schemes
+    fmt = get_format(plan.format)
     for name, lin_scheme in schemes.items():
         try:
             fmt.packed_shapes(plan.recipe.planned_spec(*shapes[name], lin_scheme))

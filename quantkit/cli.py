@@ -71,8 +71,10 @@ def cli():
 @click.option("--streaming/--no-streaming", default=None,
               help="Read decoder layers from disk one at a time (default: when the model would not fit comfortably).")
 @click.option("--offload-hessians", is_flag=True, help="GPTQ: keep Hessians in host memory between batches.")
-@click.option("--desc-act", is_flag=True, help="GPTQ: act-order (columns by descending Hessian diagonal).")
-@click.option("--static-groups", is_flag=True, help="GPTQ: group scales computed up front (keeps act-order groups contiguous).")
+@click.option("--desc-act/--no-desc-act", default=None,
+              help="GPTQ: act-order, columns by descending Hessian diagonal (default on).")
+@click.option("--static-groups/--no-static-groups", default=None,
+              help="GPTQ: group scales computed up front, keeping act-order's g_idx trivial (default on).")
 @click.option("--mse", is_flag=True, help="GPTQ: search a shrunk group range with the lowest reconstruction error.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line of stdout.")
 def quantize(model, method, bits, group_size, sym, format_, gguf_type, recipe, dataset, num_samples, seq_len, seed, chat_template,
@@ -219,10 +221,13 @@ def inspect(path, as_json):
     _emit(r, as_json, "\n".join(lines))
 
 
-def _method_options(pairs, **flags: bool) -> dict:
+_ON_OFF_FLAGS = ("desc_act", "static_groups")  # --x/--no-x pairs: None when neither was given
+
+
+def _method_options(pairs, **flags) -> dict:
     """--option KEY=VALUE pairs plus the convenience flags that were given."""
     options = _parse_options(pairs)
-    options.update({k: True for k, v in flags.items() if v})
+    options.update({k: bool(v) for k, v in flags.items() if v is not None and (v or k in _ON_OFF_FLAGS)})
     return options
 
 
