@@ -65,7 +65,7 @@ def write_calibration_ids(model: str, num_samples: int, seq_len: int, path: Path
     from transformers import AutoTokenizer
 
     from quantkit import data
-    from quantkit.api import DEFAULTS
+    from quantkit.plan import CALIBRATION_DEFAULTS as DEFAULTS
     from quantkit.sources import resolve_model_path
 
     folder = resolve_model_path(model)  # 'demo' -> quantkit.assets.demo_model_dir()

@@ -97,3 +97,20 @@ def test_every_bundled_recipe_resolves_to_a_plan():
         plan = resolve_plan(recipe_file=name)
         options = read_recipe_file(name).get("options") or {}
         assert all(any(s.options.get(k) == v for s in plan.recipe.steps) for k, v in options.items()), name
+
+
+def test_rtn_mse_takes_each_groups_lowest_error_range():
+    """--method rtn --option mse=true: per group, the shrink of the min/max range with the lowest
+    |w - q|^2.4 (searched by brute force here) and never a wider range than plain RTN's."""
+    from quantkit.quantizers.grid import compute_qparams, fake_quantize, rtn_quantize
+
+    w = torch.randn(24, 128, generator=torch.Generator().manual_seed(7)) * torch.linspace(0.1, 2, 128)
+    plain, searched = rtn_quantize(w, 4, 32, True), rtn_quantize(w, 4, 32, True, mse=True)
+    groups = w.reshape(-1, 32)
+    best = torch.full([groups.shape[0]], float("inf"))
+    for i in range(80):
+        s, z = compute_qparams(groups, 4, True, clip_ratio=1 - i / 100)
+        best = torch.minimum(best, (fake_quantize(groups, s, z, 4) - groups).abs().pow(2.4).sum(1))
+    got = (searched.dequantize().reshape(-1, 32) - groups).abs().pow(2.4).sum(1)
+    torch.testing.assert_close(got, best, rtol=1e-5, atol=0)
+    assert bool((searched.scales <= plain.scales).all()) and bool((searched.scales < plain.scales).any())

@@ -15,10 +15,13 @@ class RTNQuantizer(Quantizer):
     name = "rtn"
     needs_calibration = False
     observes = False
+    # mse: each group's range shrunk to the one with the lowest rounding error (still no data)
+    options_spec = {"mse": False}
 
     supports_grids = True
 
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme):
         if scheme.grid is not None:  # a GGUF type's blocks, parameters chosen as llama.cpp does
             return rtn_on_grid(module.weight.data, ggml_type(scheme.grid), module.bias)
-        return rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias)
+        return rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias,
+                            mse=bool(self.options["mse"]))

@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""Quality side by side: quantkit's methods against llm-compressor's and GPTQModel's, one run.
+
+Every row quantizes the same model with the same scheme (w4g64 symmetric unless the row says asym)
+on the same calibration token ids (drawn once with quantkit's own pipeline: `--dataset lee`, seed 0,
+written to WORKDIR/calib_ids.safetensors for the peers), in its own subprocess (so peak RSS is that
+run's alone). Every checkpoint is then scored by `quantkit eval --baseline MODEL` on two held-out
+texts, `lee` (news) and `wiki` (Wikipedia), through the same loader: mean and 99th-percentile KL
+divergence to the original model per token, top-1 agreement, perplexity. Peers run in their own
+venvs (their pins clash with quantkit's): scripts/llmcompressor_peer.py and scripts/gptqmodel_peer.py
+say how to build them; a peer whose python is not given is left out (and said so).
+
+    python scripts/bench_quality.py --workdir /tmp/qk-quality \\
+        --llmcompressor-python /work/peer-venv/bin/python --gptqmodel-python /work/gptqmodel-venv/bin/python
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_quantize import quantkit_cli, run, write_calibration_ids  # noqa: E402
+
+# quantkit rows: name -> quantize flags (beyond model, bits, group size, calibration)
+QUANTKIT_ROWS = {
+    "rtn": ["--method", "rtn"],
+    "gptq": ["--method", "gptq"],
+    "awq": ["--method", "awq", "--format", "gptq"],
+    "best": ["--recipe", "best-w4-demo"],
+}
+ASYM_QUANTKIT_ROWS = {"gptq asym": ["--method", "gptq", "--asym"], "awq asym": ["--method", "awq", "--asym",
+                                                                                "--format", "gptq"]}
+# peer rows: name -> (tool, script, method, extra flags)
+PEER_ROWS = {
+    "llmc gptq": ("llm-compressor", "llmcompressor_peer.py", "gptq", ["--actorder", "default", "--sym"]),
+    "llmc awq": ("llm-compressor", "llmcompressor_peer.py", "awq", ["--sym"]),
+    "llmc rtn": ("llm-compressor", "llmcompressor_peer.py", "rtn", ["--sym"]),
+    "gptqmodel gptq": ("gptqmodel", "gptqmodel_peer.py", "gptq", ["--sym"]),
+    "gptqmodel awq": ("gptqmodel", "gptqmodel_peer.py", "awq", ["--sym"]),
+}
+ASYM_PEER_ROWS = {"llmc awq asym": ("llm-compressor", "llmcompressor_peer.py", "awq", ["--asym"]),
+                  "gptqmodel awq asym": ("gptqmodel", "gptqmodel_peer.py", "awq", ["--asym"])}
+REFERENCE_ROW = "llmc gptq"  # the targets are ratios to llm-compressor's default GPTQ
+
+
+def quantize_rows(args, work: Path, calib_ids: Path, peer_folder: str) -> list[dict]:
+    rows = []
+    qk_rows = {**QUANTKIT_ROWS, **(ASYM_QUANTKIT_ROWS if args.asym else {})}
+    calibration = ["--dataset", "lee", "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len),
+                   "--seed", "0"]
+    for name in _selected(qk_rows, args.rows):
+        out = work / name.replace(" ", "-")
+        summary, wall = run(quantkit_cli("quantize", "--model", args.model, "--bits", "4", "--group-size", "64",
+                                         *calibration, *qk_rows[name], "--output", str(out), "--overwrite", "--json"))
+        rows.append({"row": name, "tool": "quantkit", "path": str(out), "seconds": summary["seconds"],
+                     "process_s": round(wall, 1), "peak_rss_mb": summary["peak_rss_mb"], "sym": summary["sym"]})
+    pythons = {"llm-compressor": args.llmcompressor_python, "gptqmodel": args.gptqmodel_python}
+    peer_rows = {**PEER_ROWS, **(ASYM_PEER_ROWS if args.asym else {})}
+    for name in _selected(peer_rows, args.rows):
+        tool, script, method, extra = peer_rows[name]
+        if not pythons[tool]:
+            print(f"left out: {name} (no --{tool.replace('-', '')}-python given)")
+            continue
+        out = work / name.replace(" ", "-")
+        env = {"GPTQMODEL_CPU_WORKERS": str(os.cpu_count() or 2)} if tool == "gptqmodel" else None
+        summary, wall = run([pythons[tool], str(HERE / script), "--method", method, "--model", peer_folder, "--bits", "4",
+                             "--group-size", "64", "--calib-ids", str(calib_ids), "--output", str(out), *extra], env=env)
+        rows.append({"row": name, "tool": tool, "path": str(out), "seconds": summary["seconds"],
+                     "process_s": round(wall, 1), "peak_rss_mb": summary["peak_rss_mb"],
+                     "scheme": summary.get("scheme"), "version": summary.get("version")})
+    return rows
+
+
+def _selected(rows: dict, wanted) -> list[str]:
+    return [r for r in rows if not wanted or r in wanted]
+
+
+def score_rows(args, rows: list[dict]) -> None:
+    for row in rows:
+        for dataset, windows in (("lee", args.lee_windows), ("wiki", args.wiki_windows)):
+            r, _ = run(quantkit_cli("eval", "--model", row["path"], "--baseline", args.model, "--dataset", dataset,
+                                    "--backend", args.backend, "--json",
+                                    *(["--max-windows", str(windows)] if windows else [])))
+            row[dataset] = {k: r[k] for k in ("kl_mean", "kl_p99", "top1_agreement", "perplexity", "baseline_perplexity",
+                                              "tokens")}
+
+
+def print_table(rows: list[dict]) -> None:
+    ref = next((r for r in rows if r["row"] == REFERENCE_ROW), None)
+    print(f"{'row':20} {'KL lee':>7} {'p99':>6} {'top1':>6} {'ppl lee':>8} {'KL wiki':>7} {'p99':>6} {'top1':>6} "
+          f"{'ppl wiki':>8} {'KL/ref':>11} {'seconds':>8} {'RSS MB':>7}")
+    for r in rows:
+        lee, wiki = r["lee"], r["wiki"]
+        rel = (f"{lee['kl_mean'] / ref['lee']['kl_mean']:.2f}/{wiki['kl_mean'] / ref['wiki']['kl_mean']:.2f}"
+               if ref else "-")
+        print(f"{r['row']:20} {lee['kl_mean']:7.4f} {lee['kl_p99']:6.2f} {lee['top1_agreement']:6.3f} "
+              f"{lee['perplexity']:8.3f} {wiki['kl_mean']:7.4f} {wiki['kl_p99']:6.2f} {wiki['top1_agreement']:6.3f} "
+              f"{wiki['perplexity']:8.3f} {rel:>11} {r['seconds']:8.1f} {r['peak_rss_mb']:7.0f}")
+    base = rows[0]
+    print(f"original model: perplexity lee {base['lee']['baseline_perplexity']:.3f} over {base['lee']['tokens']} tokens, "
+          f"wiki {base['wiki']['baseline_perplexity']:.3f} over {base['wiki']['tokens']} tokens; KL/ref: KL mean "
+          f"relative to '{REFERENCE_ROW}' (lee/wiki)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--num-samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--lee-windows", type=int, default=None, help="held-out windows of 512 (default: all of lee's)")
+    ap.add_argument("--wiki-windows", type=int, default=128, help="held-out windows of 512 from wiki (default 128)")
+    ap.add_argument("--backend", default="reference", help="runtime backend scoring every checkpoint")
+    ap.add_argument("--rows", default=None, help="comma list of row names (default: all)")
+    ap.add_argument("--asym", action="store_true", help="also the asymmetric rows")
+    ap.add_argument("--llmcompressor-python", default=None)
+    ap.add_argument("--gptqmodel-python", default=None)
+    ap.add_argument("--workdir", default="/tmp/qk-quality")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    args.rows = set(r.strip() for r in args.rows.split(",")) if args.rows else None
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    calib_ids = work / "calib_ids.safetensors"
+    peer_folder = write_calibration_ids(args.model, args.num_samples, args.seq_len, calib_ids)
+    t0 = time.perf_counter()
+    rows = quantize_rows(args, work, calib_ids, peer_folder)
+    score_rows(args, rows)
+    print(f"calibration: {args.num_samples} x {args.seq_len} Lee tokens, seed 0, identical ids for every tool; "
+          f"scheme w4g64 symmetric unless the row says asym; scored with --backend {args.backend}; "
+          f"{time.perf_counter() - t0:.0f} s in all")
+    print_table(rows)
+    if args.json:
+        print(json.dumps({"rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
