@@ -77,7 +77,7 @@ def test_dynamic_act_order_gptq_checkpoint_dequantizes_to_gptq_result(tmp_path, 
     model, tok, _, _ = load_source_model(str(tiny_llama_dir))
     schemes = QuantScheme(bits=4, group_size=32, sym=False).resolve(api.linear_shapes(model))
     ids = data.calibration_batches("lee", tok, num_samples=8, seq_len=64)
-    quantizer = get_quantizer("gptq", desc_act=True)
+    quantizer = get_quantizer("gptq", desc_act=True, static_groups=False)
     store = ProgressStore(staging_dir(tmp_path / "dyn"))
     store.start({"test": 1}, resume=False)
     quantize_model(model, get_adapter(model), quantizer, schemes, ids, progress=False, store=store)

@@ -114,7 +114,12 @@ class GPTQQuantizer(Quantizer):
             self.layer_stats[name] = {"fallback": "rtn", "dropped": acc.n_dropped}
             if scheme.grid is not None:
                 return rtn_on_grid(module.weight.data, ggml_type(scheme.grid), module.bias)
-            return rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias)
+            qw = rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias)
+            # rounded in the original order: its trivial g_idx is valid under the act-order the run
+            # declares, so the checkpoint's config stays one scheme
+            qw.act_order = act_order_kind(bool(self.options["desc_act"]), bool(self.options["static_groups"]),
+                                          scheme.group_size)
+            return qw
         if acc is None or acc.n_samples == 0:
             raise QuantkitError(f"GPTQ saw no calibration inputs for {name}; check the dataset")
         # linears of this stage that share the Hessian and the scheme (q/k/v, gate/up) are solved as
