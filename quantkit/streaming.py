@@ -8,12 +8,13 @@ embeddings + one layer + the calibration activations, whatever the model's depth
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.notices import notice
+from quantkit.platform_support import available_memory_bytes, glibc
 
 
 def weight_files(folder: Path) -> dict[str, Path]:
@@ -34,37 +35,19 @@ def weights_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in set(weight_files(folder).values()))
 
 
-def available_memory_bytes() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 def should_stream(folder: Path, compute_dtype: torch.dtype) -> bool:
-    """Stream when the model in the compute dtype would take more than half the available memory."""
+    """Stream when the model in the compute dtype would take more than half the available memory.
+    Where the platform does not report available memory, never stream unasked (with a notice)."""
+    available = available_memory_bytes()
+    if available is None:
+        notice("quantkit: this platform does not report available memory, so models are not streamed "
+               "automatically; pass --streaming for a model bigger than memory")
+        return False
     stored = weights_bytes(folder)
-    return stored * max(1, compute_dtype.itemsize // 2) > available_memory_bytes() // 2
+    return stored * max(1, compute_dtype.itemsize // 2) > available // 2
 
 
-_LIBC = None
 _M_MMAP_THRESHOLD = -3  # mallopt parameter (glibc malloc.h)
-
-
-def _libc():
-    global _LIBC
-    if _LIBC is None:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL("libc.so.6")
-            _LIBC = libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else False
-        except OSError:
-            _LIBC = False
-    return _LIBC
 
 
 def bound_heap() -> None:
@@ -74,8 +57,8 @@ def bound_heap() -> None:
     layer's many weight-sized temporaries come from the heap, fragment it and keep RSS well above
     what is alive. With a fixed threshold they go back to the OS the moment they are freed; the
     price is a page fault per fresh page, small next to the arithmetic done on them."""
-    libc = _libc()
-    if libc:
+    libc = glibc()
+    if libc is not None:
         libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
 
 
@@ -85,8 +68,8 @@ def trim_heap() -> None:
     A layer's tensors and temporaries (tens of MB each) are mostly below glibc's dynamic mmap
     threshold, so they come from the heap; interleaved with the small long-lived allocations of
     each layer, the freed space is never returned and RSS grew by about one layer per layer."""
-    libc = _libc()
-    if libc:
+    libc = glibc()
+    if libc is not None:
         libc.malloc_trim(0)
 
 
