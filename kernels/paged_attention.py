@@ -33,7 +33,7 @@ from typing import Optional, Union
 import torch
 
 from . import triton_support
-from .triton_support import HAS_TRITON, INTERPRET, tl, triton
+from .triton_support import HAS_TRITON, tl, triton
 
 __all__ = ["paged_attention_decode", "paged_attention_decode_reference", "paged_attention_decode_gathered",
            "decode_slots", "gather_kv", "index_blocks", "triton_decode_available"]
