@@ -63,8 +63,9 @@ def bounded_heap():
     layer's many weight-sized temporaries come from the heap, fragment it and keep RSS well above
     what is alive. With a fixed threshold they go back to the OS the moment they are freed; the
     price is a page fault per fresh page. Measured on scripts/bench_streaming.py's 2.75 GB model
-    (RTN, streaming, 4 interleaved runs each): peak RSS 724-759 MB with it, 826-850 MB without
-    (-11.5 %), quantize 160-194 s against 148-159 s on a shared 2-core box.
+    (streaming, interleaved runs): RTN, 40 layers, 4 runs each: peak RSS 724-759 MB with it,
+    826-850 MB without (-11.5 %), quantize 160-194 s against 148-159 s on a shared 2-core box;
+    GPTQ, 12 layers, 16x256 tokens, 3 runs each: 1361-1362 MB against 1382-1471 MB (-7 %).
     On exit the threshold is glibc's default 128 KiB again, fixed: once set, glibc offers no way to
     re-enable its dynamic threshold (nor to read a value the user set with MALLOC_MMAP_THRESHOLD_)."""
     global _bounded_depth
