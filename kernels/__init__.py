@@ -6,7 +6,8 @@ functions then fall back to the references in :mod:`.reference` (which are also 
 * :func:`dequant_gemm` - W4A16 / W8A16 on GPTQ v1 packed weights (split-K for M <= 16, tiled
   ``tl.dot`` above), :func:`prepare_act_order` for act-order checkpoints (do it once at load).
 * :func:`per_token_quant_int8`, :func:`int8_gemm`, :func:`w8a8_linear` - W8A8 (``w_q`` is [N, K]).
-* :func:`triton_available` - whether the Triton paths will actually run.
+* :func:`triton_available` - whether the Triton paths will actually run; :func:`triton_installed` -
+  whether the optional triton package is there at all (see :mod:`.triton_support`).
 
 Set ``TRITON_INTERPRET=1`` before importing to run the kernels on CPU tensors (slow; tests only).
 """
@@ -22,6 +23,7 @@ from .reference import (
     w4a16_reference,
     w8a8_reference,
 )
+from . import triton_support
 from .dequant_gemm import dequant_gemm, prepare_act_order
 from .int8_gemm import int8_gemm, per_token_quant_int8, w8a8_linear
 
@@ -32,6 +34,7 @@ __all__ = [
     "per_token_quant_int8",
     "w8a8_linear",
     "triton_available",
+    "triton_installed",
     "unpack_gptq_qweight",
     "unpack_gptq_qzeros",
     "pack_gptq_qweight",
@@ -43,22 +46,19 @@ __all__ = [
 ]
 
 
+def triton_installed() -> bool:
+    """True when the triton package imported (it ships Linux wheels only; optional elsewhere)."""
+    return triton_support.HAS_TRITON
+
+
 def triton_available() -> bool:
     """True when the Triton kernels will actually run: triton imported and either a CUDA device is
     present or ``TRITON_INTERPRET=1`` was set when this package was imported (triton reads it when
     kernels are decorated, so setting it later has no effect). Otherwise callers get the references."""
-    import importlib
-
-    # (the function ``dequant_gemm`` shadows the submodule of the same name as a package attribute)
-    _dg = importlib.import_module(__name__ + ".dequant_gemm")
-
-    if not _dg.HAS_TRITON:
+    if not triton_support.HAS_TRITON:
         return False
-    if _dg.INTERPRET:
+    if triton_support.INTERPRET:
         return True
-    try:
-        import torch
+    import torch
 
-        return bool(torch.cuda.is_available())
-    except Exception:  # pragma: no cover - torch is a hard dependency, be safe anyway
-        return False
+    return bool(torch.cuda.is_available())

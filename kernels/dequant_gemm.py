@@ -27,7 +27,6 @@ autotuner needs a GPU to time configs.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -39,18 +38,8 @@ from .reference import (
     w4a16_reference,
 )
 
-try:  # importing this module must work without triton (CPU fallback to the reference)
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    triton = None
-    tl = None
-    HAS_TRITON = False
-
-# Decided when the kernels are decorated (that is when triton itself reads the variable).
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+from . import triton_support
+from .triton_support import HAS_TRITON, INTERPRET, tl, triton
 
 SMALL_M_MAX = 16  # rows at or below this take the split-K path
 
@@ -237,11 +226,6 @@ if HAS_TRITON:
         )
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    """Triton on CUDA tensors, or on anything under the interpreter; else the torch reference."""
-    return HAS_TRITON and (INTERPRET or x.is_cuda)
-
-
 def _resolve_group_size(group_size: Optional[int], k: int) -> int:
     if group_size is None or group_size <= 0 or group_size == k:
         return k
@@ -334,7 +318,7 @@ def dequant_gemm(
     if perm is not None:
         x = x.index_select(-1, perm.to(device=x.device))
 
-    if not _use_triton(x):
+    if not triton_support.runs_for(x):
         return w4a16_reference(x, qweight, scales, qzeros, None, bits, gs)
 
     lead = x.shape[:-1]

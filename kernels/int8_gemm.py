@@ -14,24 +14,14 @@ nearest) so GPU results equal the fp32 reference bit for bit, like the interpret
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
 
 from .reference import quantize_per_token_int8, w8a8_reference
 
-try:  # importing this module must work without triton (CPU fallback to the reference)
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    triton = None
-    tl = None
-    HAS_TRITON = False
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+from . import triton_support
+from .triton_support import HAS_TRITON, INTERPRET, tl, triton
 
 # int8 dot needs K >= 32 per tile on NVIDIA; keep every dim >= 16 (the GPU minimum) even here.
 _INTERP_GEMM_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
@@ -138,17 +128,13 @@ if HAS_TRITON:
     )(_int8_gemm_kernel)
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return HAS_TRITON and (INTERPRET or t.is_cuda)
-
-
 def per_token_quant_int8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Dynamic symmetric per-token int8: ``x [..., K]`` -> ``(x_q int8 [M, K], scale fp32 [M, 1])``.
 
     Same semantics as :func:`quantize_per_token_int8` (its fallback): ``scale = absmax / 127``,
     round half to even, clamp ``[-128, 127]``; zero rows give scale 0.
     """
-    if not _use_triton(x):
+    if not triton_support.runs_for(x):
         return quantize_per_token_int8(x)
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -194,7 +180,7 @@ def int8_gemm(
         raise ValueError(f"x_scale needs {m} entries and w_scale {n}; got {x_scale.numel()}, {w_scale.numel()}")
     if bias is not None and bias.numel() != n:
         raise ValueError(f"bias needs {n} entries, got {bias.numel()}")
-    if not _use_triton(x_q):
+    if not triton_support.runs_for(x_q):
         return w8a8_reference(x_q, w_q, x_scale, w_scale, bias, out_dtype)
     out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     if m == 0 or n == 0:

@@ -28,22 +28,12 @@ minimum tile size applies and decode stays memory-bound as it should.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Union
 
 import torch
 
-try:  # importing this module must work without triton (CPU fallback to the reference)
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    triton = None
-    tl = None
-    HAS_TRITON = False
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+from . import triton_support
+from .triton_support import HAS_TRITON, tl, triton
 
 __all__ = ["paged_attention_decode", "paged_attention_decode_reference", "paged_attention_decode_gathered",
            "decode_slots", "gather_kv", "index_blocks", "triton_decode_available"]
@@ -223,9 +213,9 @@ if HAS_TRITON:
 
 def triton_decode_available(device: torch.device) -> bool:
     """Whether :func:`paged_attention_decode` will run the Triton kernel for tensors on ``device``."""
-    if not HAS_TRITON:
+    if not triton_support.HAS_TRITON:
         return False
-    if INTERPRET:
+    if triton_support.INTERPRET:
         return torch.device(device).type == "cpu"
     return torch.device(device).type == "cuda"
 
@@ -243,7 +233,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         use_triton = triton_decode_available(q.device)
     if not use_triton:
         return paged_attention_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
-    if not HAS_TRITON:
+    if not triton_support.HAS_TRITON:
         raise RuntimeError("triton is not installed")
     B, H, D = q.shape
     num_blocks, block_size, kvh, d2 = k_cache.shape

@@ -98,7 +98,6 @@ def write_checkpoint(
     ignore: list[str],
     max_shard_size: str = "5GB",
     overwrite: bool = False,
-    metrics: Optional[dict[str, Any]] = None,
 ) -> Path:
     """Write the checkpoint into the run's staging folder, drop the progress files, rename into place."""
     output = Path(output)
@@ -120,7 +119,7 @@ def write_checkpoint(
             gen.save_pretrained(stage)
         except (ValueError, OSError):
             pass
-    (stage / "README.md").write_text(model_card(base_model, format_name, method, qcfg, specs, metrics))
+    (stage / "README.md").write_text(model_card(base_model, format_name, method, qcfg, specs))
     shutil.rmtree(stage / LAYER_DIR)
     (stage / RUN_FILE).unlink()
     normal_permissions(stage)
@@ -248,8 +247,8 @@ def _activations_line(specs: dict[str, LinearSpec]) -> str:
     return ", ".join(found) + " (W8A8)" if found else "full precision (weight-only)"
 
 
-def model_card(base_model: str, format_name: str, method: dict[str, Any], qcfg: dict, specs: dict[str, LinearSpec],
-               metrics: Optional[dict[str, Any]]) -> str:
+def model_card(base_model: str, format_name: str, method: dict[str, Any], qcfg: dict, specs: dict[str, LinearSpec]) -> str:
+    """The checkpoint's README; measured quality is appended later by `append_card_metrics`."""
     bits = sorted({s.bits for s in specs.values()})
     groups = sorted({s.group_size for s in specs.values()})
     tags = ["quantkit", method.get("method", "quantized"), format_name] + [f"{b}-bit" for b in bits]
@@ -274,10 +273,6 @@ def model_card(base_model: str, format_name: str, method: dict[str, Any], qcfg: 
     for k, v in method.items():
         if k != "method":
             lines.append(f"- {k}: `{v}`")
-    if metrics:
-        lines += ["", "## Measured", ""]
-        for k, v in metrics.items():
-            lines.append(f"- {k}: {v}")
     lines += ["", "## Use", "", "```python", "import quantkit", "model = quantkit.load(\"PATH\")", "```", "",
               "The folder also loads with `transformers` (gptq/awq through their integrations, compressed-tensors "
               "through the `compressed-tensors` package) and with vLLM.", ""]

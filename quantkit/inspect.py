@@ -1,8 +1,6 @@
 """`quantkit inspect`: what a checkpoint holds, read from its config and safetensors headers only."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from torch import nn
 
 from quantkit.errors import QuantkitError
@@ -14,7 +12,8 @@ def inspect_checkpoint(path: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from quantkit.formats import get_format
-    from quantkit.runtime.loader import QUANT_METHOD_TO_FORMAT, _clean_config, read_config, resolve_checkpoint, safetensors_files
+    from quantkit.runtime.loader import (QUANT_METHOD_TO_FORMAT, read_config, resolve_checkpoint, safetensors_files,
+                                         unquantized_config)
     from quantkit.sources import source_dtype
 
     folder = resolve_checkpoint(path)
@@ -25,7 +24,7 @@ def inspect_checkpoint(path: str) -> dict:
         raise QuantkitError(f"{folder}/config.json: unknown quant_method {method!r}")
     files = safetensors_files(folder)
     size = sum(f.stat().st_size for f in files)
-    config = _clean_config(cfg, folder, trust_remote_code=False)
+    config = unquantized_config(folder, trust_remote_code=False)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
     linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}

@@ -1,22 +1,37 @@
 """Peak memory of the current process, measured the same way by quantkit and its benchmark peers,
 and handing a file mapping's pages back once they are no longer needed.
 
-Standard library only: scripts/llmcompressor_peer.py runs in another venv and loads this one file
-by path, so both tools' "peak RSS" columns come from the same reader.
+`peak_rss_mb` uses the standard library only: scripts/llmcompressor_peer.py runs in another venv and
+loads this one file by path, so both tools' "peak RSS" columns come from the same reader.
 """
 from __future__ import annotations
 
 import mmap
-import resource
+import sys
 
 
 def peak_rss_mb() -> float:
-    """This process's own peak resident memory, in MB.
+    """This process's own peak resident memory, in MB (NaN where the platform does not say).
 
     Linux's `ru_maxrss` is not it for a child of a big process: `subprocess` starts children with
     vfork, and exec carries the parent's high-water mark into the child's `ru_maxrss` (a 4.3 GB
     pytest parent made a 0.8 GB quantize run report 4.3 GB). `VmHWM` belongs to the process's own
-    address space, so it is read first; `ru_maxrss` remains the fallback off Linux."""
+    address space, so it is read first; `ru_maxrss` remains the fallback elsewhere (kilobytes on
+    Linux and the BSDs, bytes on macOS), and Windows reports its peak working set."""
+    hwm = _linux_hwm_mb()
+    if hwm is not None:
+        return hwm
+    if sys.platform == "win32":
+        return _windows_peak_mb()
+    try:
+        import resource  # POSIX only; imported here so that importing quantkit works on Windows
+    except ImportError:
+        return float("nan")
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return max_rss / 2**20 if sys.platform == "darwin" else max_rss / 1024.0
+
+
+def _linux_hwm_mb():
     try:
         with open("/proc/self/status") as status:
             for line in status:
@@ -24,7 +39,30 @@ def peak_rss_mb() -> float:
                     return int(line.split()[1]) / 1024.0
     except (OSError, ValueError, IndexError):
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return None
+
+
+def _windows_peak_mb() -> float:
+    """`PeakWorkingSetSize` of this process (psapi `GetProcessMemoryInfo`)."""
+    import ctypes
+
+    class ProcessMemoryCounters(ctypes.Structure):
+        _fields_ = [("cb", ctypes.c_ulong), ("PageFaultCount", ctypes.c_ulong)] + [
+            (name, ctypes.c_size_t) for name in ("PeakWorkingSetSize", "WorkingSetSize", "QuotaPeakPagedPoolUsage",
+                                                 "QuotaPagedPoolUsage", "QuotaPeakNonPagedPoolUsage",
+                                                 "QuotaNonPagedPoolUsage", "PagefileUsage", "PeakPagefileUsage")]
+
+    counters = ProcessMemoryCounters()
+    counters.cb = ctypes.sizeof(ProcessMemoryCounters)
+    try:
+        kernel32, psapi = ctypes.windll.kernel32, ctypes.windll.psapi
+        kernel32.GetCurrentProcess.restype = ctypes.c_void_p
+        psapi.GetProcessMemoryInfo.argtypes = [ctypes.c_void_p, ctypes.POINTER(ProcessMemoryCounters), ctypes.c_ulong]
+        if psapi.GetProcessMemoryInfo(kernel32.GetCurrentProcess(), ctypes.byref(counters), counters.cb):
+            return counters.PeakWorkingSetSize / 2**20
+    except (AttributeError, OSError):
+        pass
+    return float("nan")
 
 
 _MADV_PAGEOUT = 21  # linux/mman.h (Linux 5.4+): reclaim these pages now; contents are kept
@@ -39,15 +77,16 @@ def page_out_file_backed(ranges: list[tuple[int, int]]) -> int:
     without changing what the mapping holds (a later read faults them in from the file again), so
     it is safe whoever else views those bytes. Heap memory is left alone (it is freed, not paged
     out). Returns the bytes advised; 0 where the kernel or platform lacks MADV_PAGEOUT."""
-    try:
-        import ctypes
+    from quantkit.platform_support import glibc
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc = glibc()
+    if libc is None:
+        return 0
+    try:
         with open("/proc/self/maps") as maps:  # address-range perms offset dev inode [path]
             fields = [line.split() for line in maps]
         files = [tuple(int(x, 16) for x in f[0].split("-")) for f in fields if len(f) > 5 and f[5].startswith("/")]
-    except (OSError, AttributeError):
+    except (OSError, ValueError):
         return 0
     page, advised = mmap.PAGESIZE, 0
     for address, nbytes in ranges:

@@ -8,7 +8,6 @@ path, so a resumed run writes byte-for-byte what an uninterrupted one would.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -164,14 +163,6 @@ def run_fingerprint(**settings: Any) -> dict[str, Any]:
 
 def _jsonable(d: dict) -> dict:
     return json.loads(json.dumps(d, sort_keys=True, default=str))
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -132,6 +132,14 @@ class QuantizedWeight:
                        offsets=None if self.offsets is None else self.offsets[rows].clone(),
                        two_level=None if self.two_level is None else self.two_level.select_rows(rows))
 
+    def signed_int8(self) -> torch.Tensor:
+        """The codes as signed int8 [N, K] (q - 128) of an 8-bit symmetric weight: the layout of
+        PyTorch's int8 kernels and of compressed-tensors' int-quantized weights. ValueError otherwise."""
+        if self.bits != 8 or not bool((self.zeros == 128).all()):
+            raise ValueError(f"signed int8 codes need an 8-bit weight with every zero at 128 (got {self.bits}-bit"
+                             f"{'' if self.sym else ', asymmetric'})")
+        return (self.qweight.to(torch.int16) - 128).to(torch.int8).contiguous()
+
     def has_trivial_g_idx(self) -> bool:
         k = self.qweight.shape[1]
         gs = k if self.group_size == -1 else self.group_size

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, first_line
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -99,8 +99,7 @@ def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, 
     except QuantkitError:
         raise
     except (OSError, ValueError, RuntimeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise QuantkitError(f"could not load model {path}: {first}") from None
+        raise QuantkitError(f"could not load model {path}: {first_line(exc)}") from None
     hf_model.eval()
     hf_model.config.source_dtype = str(stored_dtype(path, trust_remote_code)).replace("torch.", "")
     return hf_model, tokenizer, _card_name(model, path), layer_source

@@ -298,3 +298,23 @@ def test_base_model_and_unknown_linear_are_clear_errors():
     layer.mlp.extra_proj = nn.Linear(64, 64)
     with pytest.raises(QuantkitError, match="mlp.extra_proj"):
         adapter.linear_names(layer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,width", [(1, 576), (13, 64)])
+def test_shared_rms_norm_equals_transformers_llama_rmsnorm(dtype, rows, width):
+    """quantkit.models.norms.rms_norm (the one fused RMSNorm for driver and engine) against the module itself."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from quantkit.models.norms import rms_norm
+
+    gen = torch.Generator().manual_seed(rows)
+    module = LlamaRMSNorm(width, eps=1e-6)
+    module.weight.data = torch.randn(width, generator=gen).to(dtype)
+    x = (3 * torch.randn(2, rows, width, generator=gen)).to(dtype)
+    with torch.no_grad():
+        expected = module(x)
+    assert torch.equal(rms_norm(x, module.weight.data, 1e-6), expected)
+    buffer = torch.full((2, rows + 1, width), float("nan"), dtype=expected.dtype)
+    rms_norm(x, module.weight.data, 1e-6, out=buffer[:, 1:])
+    assert torch.equal(buffer[:, 1:], expected)

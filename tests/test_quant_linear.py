@@ -20,7 +20,8 @@ from quantkit.errors import QuantkitError
 from quantkit.formats import LinearSpec, get_format
 from quantkit.quantizers.grid import rtn_quantize
 from quantkit.runtime import QuantLinear
-from quantkit.runtime import backends
+from quantkit.notices import reset_notices
+from quantkit.runtime import backends, w8a8
 
 REL_TOL = 1e-2
 
@@ -49,7 +50,7 @@ def build(qw, fmt, backend, dtype=torch.bfloat16):
 
 @pytest.fixture(autouse=True)
 def _fresh_notices():
-    backends.reset_notices()
+    reset_notices()
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors", "awq"])
@@ -231,3 +232,91 @@ def test_backend_selection():
         m.set_backend("cuda-magic")
     with pytest.raises(QuantkitError, match="features"):
         m(torch.randn(2, 64))
+
+
+# --- PyTorch's private ops and the optional triton package, feature-detected -----------------------
+
+@pytest.fixture
+def fresh_probes():
+    backends.cpu_kernel_problem.cache_clear()
+    w8a8.int_mm_problem.cache_clear()
+    yield
+    backends.cpu_kernel_problem.cache_clear()
+    w8a8.int_mm_problem.cache_clear()
+
+
+def hide_aten_ops(monkeypatch, names, replacement=None):
+    """Make `torch.ops.aten.<name>` raise AttributeError, as on a PyTorch without the op, or resolve to
+    `replacement(real_op)` instead."""
+    real = {n: getattr(torch.ops.aten, n) for n in names}
+    namespace = type(torch.ops.aten)
+    original = namespace.__getattr__
+
+    def lookup(self, op_name):
+        if self is torch.ops.aten and op_name in names:
+            if replacement is None:
+                raise AttributeError(f"'_OpNamespace' 'aten' object has no attribute '{op_name}'")
+            return replacement(real[op_name])
+        return original(self, op_name)
+
+    for n in names:
+        monkeypatch.delattr(torch.ops.aten, n, raising=False)  # the namespace caches resolved ops
+    monkeypatch.setattr(namespace, "__getattr__", lookup)
+
+
+def test_private_ops_pass_their_probe_on_the_tested_torch(fresh_probes):
+    assert backends.cpu_kernel_problem(4) is None
+    assert backends.cpu_kernel_problem(8) is None
+    assert w8a8.int_mm_problem() is None
+
+
+@pytest.mark.parametrize("bits,gs,op", [(4, 32, "_weight_int4pack_mm_for_cpu"),
+                                        (4, 64, "_convert_weight_to_int4pack_for_cpu"),
+                                        (8, -1, "_weight_int8pack_mm")])
+def test_cpu_backend_without_private_op_uses_reference(monkeypatch, fresh_probes, bits, gs, op):
+    hide_aten_ops(monkeypatch, [op])
+    qw = make_qw(96, 256, bits, gs, True, seed=bits)
+    m = build(qw, "gptq", "cpu")
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match=f"has no torch.ops.aten.{op}"):
+        y = m(x)
+    assert m._impl.kernel is None
+    assert torch.equal(y, F.linear(x, qw.dequantize(torch.bfloat16)) + qw.bias.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("bits,gs,op", [(4, 32, "_weight_int4pack_mm_for_cpu"), (8, -1, "_weight_int8pack_mm")])
+def test_cpu_backend_with_a_changed_private_op_uses_reference(monkeypatch, fresh_probes, bits, gs, op):
+    """An op that exists but computes something else (a changed layout) is caught by the probe."""
+    hide_aten_ops(monkeypatch, [op], replacement=lambda real: lambda *args: real(*args).flip(-1))
+    qw = make_qw(96, 256, bits, gs, True, seed=bits)
+    m = build(qw, "gptq", "cpu")
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="disagrees with the reference"):
+        y = m(x)
+    assert m._impl.kernel is None
+    assert torch.equal(y, F.linear(x, qw.dequantize(torch.bfloat16)) + qw.bias.to(torch.bfloat16))
+
+
+def test_w8a8_int_mm_missing_falls_back_to_the_exact_fp32_gemm(monkeypatch, fresh_probes):
+    qw = make_qw(96, 256, 8, -1, True, seed=8)
+    qw.input_quant = {"strategy": "token", "dynamic": True}
+    x = torch.randn(5, 256)
+    exact = w8a8.W8A8Cpu(qw, torch.device("cpu"), gemm="fp32")(x)
+    monkeypatch.delattr(torch, "_int_mm")
+    with pytest.warns(UserWarning, match="no torch._int_mm"):
+        layer = w8a8.W8A8Cpu(qw, torch.device("cpu"), gemm="int_mm")
+    assert layer.gemm == "fp32" and torch.equal(layer(x), exact)
+
+
+def test_triton_backend_refused_without_the_triton_package(monkeypatch):
+    from quantkit import kernels
+
+    monkeypatch.setattr(kernels.triton_support, "HAS_TRITON", False)
+    qw = make_qw(96, 128, 4, 32, True)
+    with pytest.raises(QuantkitError, match="triton package.*--backend auto, cpu or reference"):
+        QuantLinear.from_quantized(qw, "gptq", dtype=torch.float32, backend="triton")
+    assert backends.resolve("auto", torch.device("cpu")) == "cpu"
+    with pytest.warns(UserWarning, match="triton is not installed"):
+        assert backends.resolve("auto", torch.device("cuda")) == "reference"
+    monkeypatch.setattr(kernels.triton_support, "HAS_TRITON", True)
+    assert backends.resolve("auto", torch.device("cuda")) == "triton"

@@ -138,9 +138,11 @@ def unpack(tensors: dict[str, torch.Tensor], spec: LinearSpec) -> QuantizedWeigh
 
 
 def _pack_int(qw: QuantizedWeight, spec: LinearSpec) -> dict[str, torch.Tensor]:
-    if not bool((qw.zeros == 128).all()):
-        raise QuantkitError(f"{NAME}: a symmetric weight must have every zero at 128")
-    out = {"weight": (qw.qweight.to(torch.int16) - 128).to(torch.int8).contiguous(),
+    try:
+        codes = qw.signed_int8()
+    except ValueError as e:
+        raise QuantkitError(f"{NAME}: int-quantized weights: {e}") from None
+    out = {"weight": codes,
            "weight_scale": checks.fp16_scales(qw.scales, NAME).reshape(spec.out_features, 1).contiguous()}
     iq = qw.input_quant
     if iq.get("strategy") != spec.input_quant or bool(iq.get("dynamic")) != (spec.input_quant == "token"):

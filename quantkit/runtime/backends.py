@@ -5,45 +5,57 @@ checkpoint only through ``format.unpack``; it never adds bias (QuantLinear does)
 - reference: dequantize on every call and F.linear; any device; the oracle the others are tested against.
 - cpu: PyTorch's packed CPU kernels. Only their bf16 paths are vectorised (measured on a 4096x4096
   matvec: int4 1.2 ms in bf16 vs 24 ms fp16 and 61 ms fp32; int8 1.2 ms bf16 vs 30/43 ms), so
-  activations are cast to bf16 and the result back to the input dtype. Shapes the kernels cannot
-  take fall back to a cached dequantized weight, with one notice per reason.
+  activations are cast to bf16 and the result back to the input dtype. The kernels are private
+  aten ops, probed once against the reference (`cpu_kernel_problem`); a missing or disagreeing op,
+  or a shape the kernel cannot take, falls back to a cached dequantized weight, one notice per reason.
 - W8A8 weights (int8 activations too) go to `runtime.w8a8`'s backends of the same names.
 - triton: quantkit.kernels' dequant-GEMM (split-K for decode, tiled tl.dot for prefill) on a
-  one-time repack to the gptq layout; falls back to a cached dequantized weight where Triton cannot run.
+  one-time repack to the gptq layout; falls back to a cached dequantized weight where Triton cannot
+  run (no CUDA device); refused outright when the triton package is not installed.
 """
 from __future__ import annotations
 
-import warnings
+import functools
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, first_line
+from quantkit.notices import notice
 from quantkit.qtensor import QuantizedWeight
 
 BACKENDS = ("auto", "reference", "cpu", "triton")
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
-_noticed: set[str] = set()
-
-
-def notice(reason: str) -> None:
-    """Warn once per distinct reason, so a 32-layer model prints one line, not 224."""
-    if reason not in _noticed:
-        _noticed.add(reason)
-        warnings.warn(reason, stacklevel=3)
-
-
-def reset_notices() -> None:
-    _noticed.clear()
+# PyTorch's private packed CPU ops by weight bits: renamed and re-laid-out between releases, so
+# each is feature-detected once (`cpu_kernel_problem`) before a layer relies on it
+CPU_KERNEL_OPS = {4: ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu"),
+                  8: ("_weight_int8pack_mm",)}
 
 
 def resolve(name: str, device: torch.device) -> str:
+    """The backend `name` means on `device`: "auto" is cpu on the CPU, triton on CUDA where triton
+    is installed, else reference. "triton" without the triton package is refused here, at once."""
     if name not in BACKENDS:
         raise QuantkitError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
     if name == "auto":
-        return "triton" if device.type == "cuda" else "cpu"
+        if device.type == "cpu":
+            return "cpu"
+        if device.type == "cuda" and _triton_installed():
+            return "triton"
+        notice(f"quantkit: no packed kernel for {device.type} here"
+               f"{' (triton is not installed)' if device.type == 'cuda' else ''}; backend auto uses reference")
+        return "reference"
+    if name == "triton" and not _triton_installed():
+        raise QuantkitError("the triton backend needs the triton package, which is not installed (it has Linux "
+                            "wheels only); use --backend auto, cpu or reference")
     return name
+
+
+def _triton_installed() -> bool:
+    from quantkit import kernels
+
+    return kernels.triton_installed()
 
 
 def _flat(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -121,14 +133,52 @@ def _int4_plan(qw: QuantizedWeight, device: torch.device) -> Callable:
 def _int8_plan(qw: QuantizedWeight, device: torch.device) -> Callable:
     if qw.n_groups != 1:
         raise ValueError("int8 kernel needs per-channel scales (group_size -1)")
-    if not bool((qw.zeros == 128).all()):
-        raise ValueError("int8 kernel needs symmetric zeros (128)")
-    w_int8 = (qw.qweight.to(torch.int16) - 128).to(torch.int8).contiguous().to(device)
+    w_int8 = qw.signed_int8().to(device)
     scales = qw.scales[:, 0].to(torch.bfloat16).contiguous().to(device)
 
     def run(x2: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), w_int8, scales)
     return run
+
+
+_CPU_PLANS = {4: _int4_plan, 8: _int8_plan}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kernel_problem(bits: int) -> Optional[str]:
+    """None when PyTorch's packed CPU kernel for `bits`-bit weights exists here and multiplies a small
+    probe weight as the reference (dequantize, fp32 matmul) does; otherwise why not. Checked once
+    per process, at the first load, so that a PyTorch without the op, or with a changed one, falls
+    back to the reference path instead of failing or computing garbage."""
+    if bits not in CPU_KERNEL_OPS:
+        return f"no packed CPU kernel for {bits}-bit"
+    missing = [op for op in CPU_KERNEL_OPS[bits] if not hasattr(torch.ops.aten, op)]
+    if missing:
+        return f"this PyTorch ({torch.__version__}) has no torch.ops.aten.{missing[0]}"
+    qw, x = _probe_case(bits)
+    try:
+        got = _CPU_PLANS[bits](qw, torch.device("cpu"))(x).float()
+    except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
+        return f"its {bits}-bit CPU kernel failed on a probe ({first_line(e)})"
+    want = F.linear(x.float(), qw.dequantize())
+    # the kernels round to bf16 (2**-8 relative); a changed layout is off by the values' own size
+    if got.shape != want.shape or not bool((got - want).abs().max() <= 0.02 * want.abs().max()):
+        return f"its {bits}-bit CPU kernel disagrees with the reference on a probe"
+    return None
+
+
+def _probe_case(bits: int) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A 32x128 weight (asymmetric groups of 32 at 4 bits, symmetric per-channel at 8, power-of-two
+    scales) and a [3, 128] bf16-representable input: every kernel constraint met, values exact in bf16."""
+    gen = torch.Generator().manual_seed(0)
+    n, k, groups = 32, 128, (4 if bits == 4 else 1)
+    scales = 2.0 ** -torch.randint(0, 4, (n, groups), generator=gen).float()
+    zeros = (torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.int32) if bits == 4
+             else torch.full((n, 1), 128, dtype=torch.int32))
+    qw = QuantizedWeight(qweight=torch.randint(0, 2 ** bits, (n, k), generator=gen).to(torch.uint8), scales=scales,
+                         zeros=zeros, g_idx=torch.arange(k, dtype=torch.int32) // (k // groups), bits=bits,
+                         group_size=-1 if groups == 1 else k // groups, sym=bits == 8)
+    return qw, torch.randn(3, k, generator=gen).to(torch.bfloat16)
 
 
 class CpuBackend:
@@ -138,14 +188,12 @@ class CpuBackend:
         if device.type != "cpu":
             raise QuantkitError(f"the cpu backend needs the layer on the CPU, not {device}")
         self.n, self.k = qw.qweight.shape
-        planners = {4: _int4_plan, 8: _int8_plan}
         self.kernel, self.fallback = None, None
-        if qw.bits not in planners:
-            reason = f"no packed CPU kernel for {qw.bits}-bit"
-        else:
+        reason = cpu_kernel_problem(qw.bits)
+        if reason is None:
             try:
-                self.kernel = planners[qw.bits](qw, device)
-            except (ValueError, RuntimeError, AttributeError) as e:  # op missing or shape refused
+                self.kernel = _CPU_PLANS[qw.bits](qw, device)
+            except (ValueError, RuntimeError) as e:  # shape or layout the kernel refuses
                 reason = f"{qw.bits}-bit CPU kernel unusable ({e})"
         if self.kernel is None:
             notice(f"quantkit cpu backend: {reason}; using a cached dequantized weight")

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, first_line
 
 QUANT_METHOD_TO_FORMAT = {"gptq": "gptq", "compressed-tensors": "compressed-tensors", "awq": "awq"}
 
@@ -98,19 +98,13 @@ def read_state_dict(files: list[Path], with_files: bool = False):
             tensors = load_file(str(f))
         except (SafetensorError, OSError, ValueError, RuntimeError, TypeError, KeyError, OverflowError,
                 MemoryError) as exc:
-            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise QuantkitError(f"{f} is not a valid safetensors file ({detail}); re-download or re-create it") from None
+            raise QuantkitError(f"{f} is not a valid safetensors file ({first_line(exc)}); re-download or re-create it") from None
         dup = state.keys() & tensors.keys()
         if dup:
             raise QuantkitError(f"{f} repeats tensor {sorted(dup)[0]} from another shard")
         state.update(tensors)
         where.update(dict.fromkeys(tensors, f))
     return (state, where) if with_files else state
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _check_layer_count(config, state: dict[str, torch.Tensor], folder: Path) -> None:
@@ -153,13 +147,15 @@ def _check_packed_tensors(fmt, specs, state: dict[str, torch.Tensor], where: dic
                                     f"expected {str(dtype).replace('torch.', '')}")
 
 
-def _clean_config(cfg: dict, folder: Path, trust_remote_code: bool):
+def unquantized_config(folder: Path, trust_remote_code: bool):
+    """The folder's transformers config without its quantization_config (so transformers builds plain
+    linears for quantkit to replace), its sizes and epsilons checked; QuantkitError when unusable."""
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises anything on a garbage config; none of it is ours
-        raise QuantkitError(f"{folder}/config.json is not a usable model config ({_first_line(exc)})") from None
+        raise QuantkitError(f"{folder}/config.json is not a usable model config ({first_line(exc)})") from None
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     _check_config_values(config, folder)
@@ -216,7 +212,7 @@ def load_model(path: str, backend: str = "auto", device: Optional[str] = None, d
     from quantkit.runtime.quant_linear import QuantLinear
 
     fmt = get_format(QUANT_METHOD_TO_FORMAT[method])
-    config = _clean_config(cfg, folder, trust_remote_code)
+    config = unquantized_config(folder, trust_remote_code)
     act_dtype = parse_dtype(dtype) or default_compute_dtype(config, device)
     state, where = read_state_dict(files, with_files=True)
     _check_layer_count(config, state, folder)
@@ -224,7 +220,7 @@ def load_model(path: str, backend: str = "auto", device: Optional[str] = None, d
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=act_dtype, trust_remote_code=trust_remote_code)
     except Exception as exc:  # a config transformers cannot build from (zero heads, wrong types, ...)
-        raise QuantkitError(f"{folder}/config.json: cannot build the model ({_first_line(exc)})") from None
+        raise QuantkitError(f"{folder}/config.json: cannot build the model ({first_line(exc)})") from None
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     try:
         specs = fmt.parse_quantization_config(qcfg, list(linears),
@@ -232,7 +228,7 @@ def load_model(path: str, backend: str = "auto", device: Optional[str] = None, d
     except QuantkitError as exc:
         raise QuantkitError(f"{folder}/config.json: {exc}") from None
     except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
-        raise QuantkitError(f"{folder}/config.json: malformed quantization_config ({_first_line(exc)})") from None
+        raise QuantkitError(f"{folder}/config.json: malformed quantization_config ({first_line(exc)})") from None
     _check_packed_tensors(fmt, specs, state, where, folder)
     for name, spec in specs.items():
         parent_name, _, child = name.rpartition(".")
@@ -308,7 +304,7 @@ def _load_plain(folder: Path, files: list[Path], dtype, device, trust_remote_cod
         model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or "auto", use_safetensors=True,
                                                            trust_remote_code=trust_remote_code, output_loading_info=True)
     except Exception as exc:  # garbage configs make transformers raise anything
-        raise QuantkitError(f"could not load {folder}: {_first_line(exc)}") from None
+        raise QuantkitError(f"could not load {folder}: {first_line(exc)}") from None
     # transformers fills missing weights with random values and drops unknown ones, with a log line
     # at most: for a checkpoint that is corruption, not a model
     for kind, what in (("missing_keys", "is missing tensor"), ("unexpected_keys", "holds unexpected tensor"),

@@ -15,18 +15,22 @@ inputs with absmax/127.5 instead, so their logits differ slightly (tests/test_sm
       codes (4 B/weight) but runs at BLAS speed.
     "int_mm": ``torch._int_mm`` (int8 x int8 -> int32); keeps only int8 weights. In torch 2.13 on
       CPU it takes any shape (M = 1, odd K/N checked), but on AVX2 machines without VNNI it is a
-      scalar loop, measured 10-25x slower than fp32 matmul (scripts/bench_w8a8.py).
+      scalar loop, measured 10-25x slower than fp32 matmul (scripts/bench_w8a8.py). A private op:
+      probed once (`int_mm_problem`); where missing or wrong, "fp32" is used with a notice.
 - triton: quantkit.kernels' per_token_quant_int8 + int8_gemm; falls back to "cpu" semantics
   (never to a weight-only matmul) where Triton cannot run.
 """
 from __future__ import annotations
 
+import functools
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, first_line
+from quantkit.notices import notice
 from quantkit.qtensor import QuantizedWeight
 
 CPU_GEMMS = ("fp32", "int_mm")
@@ -42,9 +46,32 @@ def cpu_gemm_default() -> str:
 
 def weight_int8(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """Signed int8 codes [N, K] and fp32 per-channel scales [N] of an 8-bit symmetric per-channel weight."""
-    if qw.bits != 8 or qw.n_groups != 1 or not bool((qw.zeros == 128).all()):
-        raise QuantkitError("W8A8 needs 8-bit symmetric per-channel weights")
-    return (qw.qweight.to(torch.int16) - 128).to(torch.int8).contiguous(), qw.scales[:, 0].float().contiguous()
+    try:
+        if qw.n_groups != 1:
+            raise ValueError(f"{qw.n_groups} groups per row")
+        codes = qw.signed_int8()
+    except ValueError as e:
+        raise QuantkitError(f"W8A8 needs 8-bit symmetric per-channel weights ({e})") from None
+    return codes, qw.scales[:, 0].float().contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def int_mm_problem() -> Optional[str]:
+    """None when ``torch._int_mm`` (a private op) exists and gives exact int32 products on a small
+    probe (M = 1 and 5, K and N not multiples of 16); otherwise why not. Checked once per process."""
+    if not hasattr(torch, "_int_mm"):
+        return f"this PyTorch ({torch.__version__}) has no torch._int_mm"
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randint(-128, 128, (24, 72), generator=gen).to(torch.int8)
+    for m in (1, 5):
+        codes = torch.randint(-128, 128, (m, 72), generator=gen).to(torch.int8)
+        try:
+            got = torch._int_mm(codes, w.t())
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            return f"torch._int_mm failed on a probe ({first_line(e)})"
+        if got.dtype != torch.int32 or not torch.equal(got.long(), codes.long() @ w.long().t()):
+            return "torch._int_mm disagrees with exact integer products on a probe"
+    return None
 
 
 def quantize_input(x2: torch.Tensor, input_quant: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +134,9 @@ class W8A8Cpu:
         self.n = qw.qweight.shape[0]
         self.w, self.w_scale = weight_int8(qw)
         self.gemm = gemm or cpu_gemm_default()
+        if self.gemm == "int_mm" and int_mm_problem() is not None:
+            notice(f"quantkit cpu backend: {int_mm_problem()}; W8A8 layers use the exact fp32 GEMM instead")
+            self.gemm = "fp32"
         self.w_float = self.w.float() if self.gemm == "fp32" else None
         self.input_quant = qw.input_quant
 
@@ -130,7 +160,6 @@ class W8A8Triton:
 
     def __init__(self, qw: QuantizedWeight, device: torch.device):
         from quantkit import kernels
-        from quantkit.runtime.backends import notice
 
         self.fallback = None
         if not kernels.triton_available():

@@ -1,0 +1,27 @@
+"""The one place quantkit.kernels imports Triton, and says whether its kernels run for a tensor.
+
+triton ships Linux wheels only and is an optional dependency elsewhere: without it the kernel
+modules still import (their ``@triton.jit`` bodies are skipped under ``if HAS_TRITON``) and every
+public function falls back to its plain-PyTorch reference. Tests may set ``HAS_TRITON`` here to
+False to take that path on a machine that has triton.
+"""
+from __future__ import annotations
+
+import os
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # not installed (macOS, Windows, a Linux without the wheel)
+    triton = None
+    tl = None
+
+HAS_TRITON = triton is not None
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when the kernel modules are imported.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def runs_for(t) -> bool:
+    """Whether a Triton kernel runs on tensor `t`: triton present and `t` on CUDA (or the interpreter on)."""
+    return HAS_TRITON and (INTERPRET or t.is_cuda)
