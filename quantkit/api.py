@@ -1,7 +1,9 @@
 """The Python surface: `quantize`, `load`, `evaluate`. The CLI is a thin shell over these."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import math
 import shutil
 import time
 from pathlib import Path
@@ -63,6 +65,7 @@ def quantize(
     from quantkit.models import get_adapter
     from quantkit.plan import resolve_plan
     from quantkit.sources import load_source_model, parse_dtype, source_dtype
+    from quantkit.streaming import bounded_heap
 
     t0 = time.perf_counter()
     plan = resolve_plan(method, recipe_file=recipe, options=options, bits=bits, group_size=group_size, sym=sym,
@@ -85,8 +88,9 @@ def quantize(
     store = _progress_store(output, model, plan, save_dtype, cal_batch, input_ids, resume)
     job = dict(device=torch.device(device or "cpu"), batch_size=cal_batch or 1, progress=progress, store=store,
                layer_source=layer_source)
-    _calibrate_and_write(hf_model, get_adapter(hf_model), plan, schemes, input_ids, job, output, tokenizer, base_name,
-                         save_dtype, max_shard_size, overwrite)
+    with bounded_heap() if layer_source is not None else contextlib.nullcontext():  # scoped to this run
+        _calibrate_and_write(hf_model, get_adapter(hf_model), plan, schemes, input_ids, job, output, tokenizer,
+                             base_name, save_dtype, max_shard_size, overwrite)
     metrics = None
     if eval_after:
         del hf_model
@@ -195,7 +199,7 @@ def _summary(output: Path, plan, schemes: dict, layer_source, cal_batch, t0: flo
         "streaming": layer_source is not None,
         "calibration_batch_size": cal_batch,
         "seconds": round(time.perf_counter() - t0, 3),
-        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "peak_rss_mb": _rss_mb(),
         **({"metrics": metrics} if metrics else {}),
     }
 
@@ -207,6 +211,12 @@ def _write_gguf(output: Path, model, tokenizer, store, layers_prefix: str, gguf_
 
     write_gguf_folder(output, store.folder, model, tokenizer, gguf_type, record_fetch(model, store, layers_prefix),
                       base_name, {**method, "gguf_type": gguf_type}, remove=(LAYER_DIR, RUN_FILE), overwrite=overwrite)
+
+
+def _rss_mb() -> Optional[float]:
+    """Peak RSS in MB, None where the platform cannot tell (NaN would make invalid JSON)."""
+    rss = peak_rss_mb()
+    return None if math.isnan(rss) else round(rss, 1)
 
 
 def _digest(input_ids: Optional[torch.Tensor]) -> Optional[str]:

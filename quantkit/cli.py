@@ -94,8 +94,10 @@ def quantize(model, method, bits, group_size, sym, format_, gguf_type, recipe, d
         batch_size=batch_size, eval_after=eval_after, progress=not as_json, resume=resume, streaming=streaming,
         gguf_type=gguf_type,
     )
+    rss = result["peak_rss_mb"]
     _emit(result, as_json, f"wrote {result['output']} ({result['method']}, {result['bits']}-bit, group {result['group_size']}, "
-                           f"{result['format']}) in {result['seconds']:.1f} s, peak RSS {result['peak_rss_mb']:.0f} MB")
+                           f"{result['format']}) in {result['seconds']:.1f} s, "
+                           + (f"peak RSS {rss:.0f} MB" if rss is not None else "peak RSS unknown"))
 
 
 @cli.command()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import QuantkitError, first_line
 from quantkit.quantizers.recipe import Recipe, build_recipe
 from quantkit.scheme import QuantScheme, parse_group_size, scheme_from_dict
 
@@ -73,7 +73,7 @@ def read_recipe_file(path_or_name: Union[str, Path]) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
-        raise QuantkitError(f"recipe {source} is not valid YAML ({str(exc).splitlines()[0]}); fix the file") from None
+        raise QuantkitError(f"recipe {source} is not valid YAML ({first_line(exc)}); fix the file") from None
     if not isinstance(data, dict):
         raise QuantkitError(f"recipe {source} must be a mapping with keys {sorted(RECIPE_KEYS)}")
     _refuse_unknown(data, RECIPE_KEYS, f"recipe {source}")

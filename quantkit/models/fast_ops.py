@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantkit.models.norms import rms_norm
+
 
 def fused_rms_norm(norm: nn.Module) -> Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """The norm as one fused `F.rms_norm` (plus its weight, written into `out`), for a Llama-style
@@ -18,10 +20,8 @@ def fused_rms_norm(norm: nn.Module) -> Optional[Callable[[torch.Tensor, torch.Te
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.dtype != torch.float32 \
             or not isinstance(eps, float) or getattr(norm, "bias", None) is not None:
         return None
-    shape = (weight.shape[0],)
-
     def run(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return torch.mul(weight, F.rms_norm(x, shape, None, eps), out=out)
+        return rms_norm(x, weight, eps, out=out)
 
     return run
 

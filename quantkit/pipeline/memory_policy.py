@@ -8,12 +8,12 @@ only the resident-memory curve differs.
 from __future__ import annotations
 
 import math
-import sys
 from typing import Optional
 
 import torch
 
 from quantkit.memory import page_out_file_backed
+from quantkit.platform_support import glibc
 from quantkit.streaming import trim_heap
 
 
@@ -79,4 +79,4 @@ class NoOpPolicy(MemoryPolicy):
 
 
 def memory_policy() -> MemoryPolicy:
-    return MemoryPolicy() if sys.platform.startswith("linux") else NoOpPolicy()
+    return MemoryPolicy() if glibc() is not None else NoOpPolicy()
