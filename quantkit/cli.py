@@ -101,19 +101,20 @@ def quantize(model, method, bits, group_size, sym, format_, gguf_type, recipe, d
 
 
 @cli.command()
-@click.argument("src")
+@click.argument("src", required=False)
+@click.option("--model", "model", default=None, help="Checkpoint folder to convert (or give it as the argument).")
 @click.option("--format", "format_", required=True, help="gptq, awq, compressed-tensors or gguf.")
 @click.option("--output", required=True, help="Destination folder (written in a staging folder, renamed at the end).")
 @click.option("--gguf-type", default=None, help="With --format gguf: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 for a quantized "
               "source (default: its grid's), F16, BF16 or F32.")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder (only once the new one is complete).")
 @click.option("--json", "as_json", is_flag=True)
-def convert(src, format_, output, gguf_type, overwrite, as_json):
+def convert(src, model, format_, output, gguf_type, overwrite, as_json):
     """Re-pack a checkpoint into another layout, losslessly, or refuse saying what would be lost."""
     from quantkit.convert import convert as run
 
     _quiet_libraries()
-    r = run(src, format_, output, gguf_type=gguf_type, overwrite=overwrite)
+    r = run(_one_model(src, model), format_, output, gguf_type=gguf_type, overwrite=overwrite)
     _emit(r, as_json, f"wrote {r['output']} ({r['format']}{' ' + r['gguf_type'] if r.get('gguf_type') else ''}, "
                       f"{r['quantized_linears']} quantized linears carried over exactly)")
 
@@ -207,13 +208,14 @@ def bench(model, batch, input_len, output_len, kv_cache_dtype, block_size, kv_ca
 
 
 @cli.command()
-@click.argument("path")
+@click.argument("path", required=False)
+@click.option("--model", "model", default=None, help="Checkpoint folder to inspect (or give it as the argument).")
 @click.option("--json", "as_json", is_flag=True)
-def inspect(path, as_json):
+def inspect(path, model, as_json):
     """Scheme, per-layer bits and groups, and size on disk against the original."""
     from quantkit.inspect import inspect_checkpoint
 
-    r = inspect_checkpoint(path)
+    r = inspect_checkpoint(_one_model(path, model))
     lines = [f"{r['path']}: {r['quant_method']} ({r['format']}), {r['quantized_linears']} quantized linears",
              f"size on disk {r['size_mb']:.1f} MB; unquantized equivalent {r['original_size_mb']:.1f} MB "
              f"({r['compression']:.2f}x smaller)"]
@@ -224,6 +226,15 @@ def inspect(path, as_json):
 
 
 _ON_OFF_FLAGS = ("desc_act", "static_groups")  # --x/--no-x pairs: None when neither was given
+
+
+def _one_model(positional, option) -> str:
+    """The model a command works on: `--model PATH` (as every command takes it) or the argument."""
+    if positional is not None and option is not None and positional != option:
+        raise QuantkitError(f"two models given ({positional!r} and --model {option!r}); give one")
+    if positional is None and option is None:
+        raise QuantkitError("no model given; pass --model PATH")
+    return option if option is not None else positional
 
 
 def _method_options(pairs, **flags) -> dict:

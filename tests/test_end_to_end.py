@@ -62,7 +62,7 @@ def test_perplexity_reference_cpu_and_original(rtn_checkpoint):
 
 
 def test_inspect(rtn_checkpoint):
-    proc = run_cli("inspect", rtn_checkpoint, "--json")
+    proc = run_cli("inspect", "--model", rtn_checkpoint, "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = last_json(proc.stdout)
     assert r["quant_method"] == "gptq" and r["quantized_linears"] == 210
