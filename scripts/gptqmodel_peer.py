@@ -40,24 +40,12 @@ Run with GPTQMODEL_CPU_WORKERS=2 on a 2-core machine:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import time
 from pathlib import Path
 
-
-def _load_peak_rss_mb():
-    """quantkit/memory.py's reader, loaded by path (stdlib only; the quantkit package is not imported),
-    so every tool's peak RSS is measured the same way (VmHWM, not a vforked child's ru_maxrss)."""
-    path = Path(__file__).resolve().parent.parent / "quantkit" / "memory.py"
-    spec = importlib.util.spec_from_file_location("_quantkit_memory", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.peak_rss_mb
-
-
-peak_rss_mb = _load_peak_rss_mb()
+from peer_common import load_calibration_ids, peak_rss_mb
 
 
 def build_config(method: str, bits: int, group_size: int, sym: bool):
@@ -106,15 +94,12 @@ def main() -> None:
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 
     import torch
-    from safetensors.torch import load_file
 
     import gptqmodel
     from gptqmodel import GPTQModel
 
     t_total = time.perf_counter()
-    ids = load_file(args.calib_ids)["input_ids"].to(torch.int64)
-    if ids.dim() != 2:
-        raise SystemExit(f"{args.calib_ids}: input_ids must be [num_samples, seq_len], got {tuple(ids.shape)}")
+    ids = load_calibration_ids(args.calib_ids)
     num_samples, seq_len = ids.shape
     calibration = [{"input_ids": row.tolist(), "attention_mask": [1] * seq_len} for row in ids]
 

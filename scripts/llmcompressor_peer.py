@@ -40,23 +40,11 @@ Creating the venv (its pins clash with quantkit's: never install llm-compressor 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import time
 from pathlib import Path
 
-
-def _load_peak_rss_mb():
-    """quantkit/memory.py's reader, loaded by path (stdlib only; the quantkit package is not imported),
-    so both tools' peak RSS is measured the same way (VmHWM, not a vforked child's ru_maxrss)."""
-    path = Path(__file__).resolve().parent.parent / "quantkit" / "memory.py"
-    spec = importlib.util.spec_from_file_location("_quantkit_memory", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.peak_rss_mb
-
-
-peak_rss_mb = _load_peak_rss_mb()
+from peer_common import load_calibration_ids, peak_rss_mb
 
 
 def weight_args(bits: int, group_size: int, symmetric: bool) -> dict:
@@ -156,16 +144,13 @@ def main() -> None:
 
     import torch
     from datasets import Dataset
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import llmcompressor
     from llmcompressor import oneshot
 
     t_total = time.perf_counter()
-    ids = load_file(args.calib_ids)["input_ids"].to(torch.int64)
-    if ids.dim() != 2:
-        raise SystemExit(f"{args.calib_ids}: input_ids must be [num_samples, seq_len], got {tuple(ids.shape)}")
+    ids = load_calibration_ids(args.calib_ids)
     num_samples, seq_len = ids.shape
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
 
