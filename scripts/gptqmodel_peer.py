@@ -70,7 +70,7 @@ def saved_scheme(folder: Path) -> dict:
             "desc_act", "static_groups", "true_sequential", "damp_percent", "damp_auto_increment", "lm_head",
             "act_group_aware", "mse", "gptaq", "foem", "fallback")
     # GPTQModel 7.x keeps the method's knobs (damp_percent, static_groups, act_group_aware, ...) under "meta"
-    scheme = {k: qc[k] if k in qc else meta[k] for k in keys if k in qc or k in meta}
+    scheme = {k: qc[k] if k in qc else meta[k] for k in keys if qc.get(k, meta.get(k)) is not None}
     if "sym" not in scheme and "zero_point" in scheme:
         scheme["sym"] = not scheme["zero_point"]
     return scheme
