@@ -103,16 +103,20 @@ def main() -> None:
     num_samples, seq_len = ids.shape
     calibration = [{"input_ids": row.tolist(), "attention_mask": [1] * seq_len} for row in ids]
 
+    out = Path(args.output).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model_path = str(Path(args.model).expanduser().resolve()) if Path(args.model).expanduser().exists() else args.model
+    os.chdir(out.parent)  # GPTQModel writes its run logs to ./logs: beside the checkpoint, not in the repo
+
     config = build_config(args.method, args.bits, args.group_size, args.sym)
     load_kwargs = {} if args.dtype == "auto" else {"dtype": getattr(torch, args.dtype)}
-    model = GPTQModel.load(args.model, config, **load_kwargs)  # config.device="cpu" places the quantization
+    model = GPTQModel.load(model_path, config, **load_kwargs)  # config.device="cpu" places the quantization
     model_dtype = str(next(model.model.parameters()).dtype).replace("torch.", "")
 
     t0 = time.perf_counter()
     model.quantize(calibration, batch_size=args.batch_size)
     seconds = time.perf_counter() - t0
 
-    out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     model.save(str(out))
     print(json.dumps({"seconds": round(seconds, 2), "total_seconds": round(time.perf_counter() - t_total, 2),
