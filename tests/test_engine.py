@@ -23,6 +23,8 @@ from quantkit.engine.scheduler import Scheduler
 from quantkit.engine.sequence import Sequence, SequenceStatus
 from quantkit.errors import QuantkitError
 from quantkit.kernels import paged_attention as pa
+from tiny_models import assert_pool_full, greedy, hf_greedy, tiny_model
+from tiny_models import prompts as _prompts
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -32,17 +34,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def assert_pool_full(engine: LLMEngine) -> None:
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_used_blocks} KV blocks leaked"
-    assert all(b.ref_count == 0 for b in bm.blocks)
-    assert engine.is_finished()
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, **kw)
 
 
 # ====================================================================== block manager
@@ -487,39 +478,6 @@ def test_paged_decode_triton_quantized_cache(kv_dtype):
 
 
 # ====================================================================== tiny models end to end
-def tiny_model(kind: str = "llama", **extra):
-    torch.manual_seed(0)
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, bos_token_id=1,
-                  eos_token_id=None, pad_token_id=0, initializer_range=0.1)
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[kind]
-    if kind == "qwen3":
-        common["head_dim"] = 24  # != hidden / heads, like real Qwen3
-    cfg = cls(**{**common, **extra})
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    if kind == "qwen2":  # random biases, so they matter
-        for layer in model.model.layers:
-            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(lin.bias, std=0.5)
-    if kind == "qwen3":
-        for layer in model.model.layers:
-            torch.nn.init.normal_(layer.self_attn.q_norm.weight, 1.0, 0.3)
-    return model
-
-
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    x = torch.tensor([ids])
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                         pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
-def _prompts(n, lengths, vocab=256, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths][:n]
-
-
 TINY = {
     "llama": {},
     "llama-llama3rope": {"rope_parameters": ROPES[2]},

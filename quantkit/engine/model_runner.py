@@ -104,6 +104,19 @@ class AttentionMetadata:
     context_lens_t: Optional[torch.Tensor] = None  # [B] int32
     decode_slots: Union[torch.Tensor, slice, None] = None  # [B * T] long, or one run of slots
     decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, T] additive, None when all lengths agree
+    # extend (several new tokens per sequence over its cached prefix): queries laid out [B, Q], the
+    # CPU-path slots above and a causal mask [B, 1, Q * group, T]
+    extend_shape: Optional[tuple[int, int]] = None
+
+
+@dataclass
+class ExtendRequest:
+    """New tokens of one sequence over its cached prefix: the K/V of positions < ``start`` is in the
+    blocks of ``block_table``, which cover ``start + len(token_ids)`` positions (the new tokens' K/V
+    is written there)."""
+    block_table: list[int]
+    start: int
+    token_ids: list[int]
 
 
 @dataclass
@@ -198,12 +211,15 @@ class ModelRunner:
         self.kv_cache = KVCache(self.num_layers, self.num_blocks, block_size, self.num_kv_heads, self.head_dim,
                                 self.dtype, kv_cache_dtype, self.device)
 
-        from quantkit.kernels.paged_attention import (decode_slots, paged_attention_decode,
-                                                      paged_attention_decode_gathered, triton_decode_available)
+        from quantkit.kernels.paged_attention import (decode_slots, extend_slots, paged_attention_decode,
+                                                      paged_attention_decode_gathered, paged_attention_extend_gathered,
+                                                      triton_decode_available)
 
         self._decode_attention = paged_attention_decode
         self._gathered_attention = paged_attention_decode_gathered
+        self._extend_attention = paged_attention_extend_gathered
         self._decode_slots = decode_slots
+        self._extend_slots = extend_slots
         if attention_backend not in ("auto", "torch", "triton"):
             raise QuantkitError(f"attention_backend must be auto, torch or triton, got {attention_backend!r}")
         if attention_backend == "auto":
@@ -292,11 +308,38 @@ class ModelRunner:
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta)
 
+    def prepare_extend(self, reqs: list[ExtendRequest]):
+        """[B * Q] ids and positions for Q = the most new tokens of any request; a request with fewer
+        is padded by repeating its last token, whose K/V is not written (slot -1) and whose outputs
+        are dropped."""
+        bs, Q = self.block_size, max(len(r.token_ids) for r in reqs)
+        input_ids, positions, slots = [], [], []
+        for r in reqs:
+            n, pad = len(r.token_ids), Q - len(r.token_ids)
+            pos = list(range(r.start, r.start + n))
+            input_ids.extend(r.token_ids + r.token_ids[-1:] * pad)
+            positions.extend(pos + pos[-1:] * pad)
+            slots.extend([r.block_table[p // bs] * bs + p % bs for p in pos] + [-1] * pad)
+        dev = self.device
+        meta = AttentionMetadata(False, torch.tensor(slots, dtype=torch.long, device=dev),
+                                 has_skipped_slots=len(slots) != sum(len(r.token_ids) for r in reqs),
+                                 extend_shape=(len(reqs), Q))
+        meta.decode_slots, meta.decode_mask = self._extend_slots(
+            [r.block_table for r in reqs], [r.start for r in reqs], [len(r.token_ids) for r in reqs], bs,
+            self.num_heads // self.num_kv_heads, dev)
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta)
+
     # ------------------------------------------------------------------ forward
     def attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [N, H, D], k/v [N, KVH, D] (already written to the cache) -> [N, H, D]."""
         kc, vc, ks, vs = self.kv_cache.layer(i)
         if not meta.is_prefill:
+            if meta.extend_shape is not None:
+                B, Q = meta.extend_shape
+                out = self._extend_attention(q.view(B, Q, *q.shape[1:]), kc, vc, meta.decode_slots, meta.decode_mask,
+                                             self.scale, ks, vs)
+                return out.view(q.shape)
             if meta.decode_slots is not None:
                 return self._gathered_attention(q, kc, vc, meta.decode_slots, meta.decode_mask, self.scale, ks, vs)
             return self._decode_attention(q, kc, vc, meta.block_tables_t, meta.context_lens_t, self.scale, ks, vs,
@@ -364,6 +407,18 @@ class ModelRunner:
             last = torch.tensor([s + n - 1 for s, n in zip(meta.query_starts, meta.query_lens)], device=self.device)
             hidden = hidden[last]
         return self.head(hidden).float()
+
+    @torch.inference_mode()
+    def run_extend(self, reqs: list[ExtendRequest], last_only: bool = False) -> torch.Tensor:
+        """Logits (fp32) after every new token of each request, [B, Q, vocab] (rows past a request's
+        token count are padding), or after its last one only, [B, vocab]."""
+        input_ids, positions, meta = self.prepare_extend(reqs)
+        hidden = self.forward(input_ids, positions, meta)
+        B, Q = meta.extend_shape
+        if last_only:
+            hidden = hidden[torch.tensor([b * Q + len(r.token_ids) - 1 for b, r in enumerate(reqs)], device=self.device)]
+            return self.head(hidden).float()
+        return self.head(hidden).float().view(B, Q, -1)
 
     @torch.inference_mode()
     def run_all_logits(self, seqs: list[Sequence]) -> list[torch.Tensor]:
