@@ -27,13 +27,7 @@ from tiny_models import assert_pool_full, greedy, hf_greedy, tiny_model
 from tiny_models import prompts as _prompts
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small matmuls on a shared 2-core box: one thread avoids spin-wait contention (5x faster here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ====================================================================== block manager
@@ -280,7 +274,7 @@ def test_layer_plan_calls_plain_linears_directly_but_keeps_hooked_ones_whole():
     (accelerate's offload moves weights in a pre-forward hook): then the module itself."""
     from torch import nn
 
-    from quantkit.engine.model_runner import matmul_fn
+    from quantkit.engine.decoder import matmul_fn
 
     lin = nn.Linear(8, 5)
     x = torch.randn(3, 8)
@@ -322,7 +316,7 @@ def test_sliced_linear_is_f_linear_bit_for_bit(out_features, in_features, bias, 
 def test_rms_norm_is_transformers_bit_for_bit():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from quantkit.engine.model_runner import rms_norm
+    from quantkit.engine.decoder import rms_norm
 
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -461,6 +455,38 @@ def test_paged_decode_gathered_reads_one_run_of_blocks_as_a_view(dtype, kv):
     assert isinstance(pa.decode_slots([[2, 3], [4]], [8, 3], 4, q.device)[0], torch.Tensor)
 
 
+@pytest.mark.parametrize("kv", ["model", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_extend_gathered_vs_per_query_loop(dtype, kv):
+    """Several new tokens per sequence over its cached prefix (speculative verification): each
+    query attends causally (query j of a sequence whose T tokens end with Q new ones sees T - Q + j
+    + 1 of them). Against the per-head loop run once per query with that length, for sequences of
+    different query counts (padding rows), one sequence on a run of blocks (a slice), and GQA."""
+    for group, lens, query_lens in [(3, (7, 12, 4), (3, 1, 4)), (3, (10,), (5,)), (1, (9, 6), (2, 2))]:
+        q, k, v, tables, _ = _paged_case(dtype, group=group, head_dim=16, block_size=4, lens=lens)
+        ks = vs = None
+        if kv != "model":
+            (k, ks), (v, vs) = quantize_kv(k, torch.int8), quantize_kv(v, torch.int8)
+        Q, B, H = max(query_lens), len(lens), q.shape[1]
+        qq = torch.randn(B, Q, H, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+        rows = [t[t >= 0].tolist() for t in tables]
+        if B == 1:
+            rows = [list(range(3, 3 + len(rows[0])))]  # consecutive blocks: read as a view
+        starts = [n - m for n, m in zip(lens, query_lens)]
+        slots, mask = pa.extend_slots(rows, starts, list(query_lens), 4, group, q.device)
+        assert isinstance(slots, slice) == (B == 1)
+        out = pa.paged_attention_extend_gathered(qq, k, v, slots, mask, 16 ** -0.5, ks, vs)
+        assert out.shape == qq.shape and out.dtype == dtype
+        table_t = torch.tensor([r + [0] * (tables.shape[1] - len(r)) for r in rows], dtype=torch.int32)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+        for b in range(B):
+            for j in range(query_lens[b]):
+                want = _loop_attention(qq[b:b + 1, j], k, v, table_t[b:b + 1], torch.tensor([starts[b] + j + 1]),
+                                       16 ** -0.5, ks, vs)
+                torch.testing.assert_close(out[b, j].float(), want[0], atol=tol, rtol=tol)
+            assert torch.isfinite(out[b]).all()  # padding rows too
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
 def test_paged_decode_triton_quantized_cache(kv_dtype):
     if not pa.HAS_TRITON or not (pa.INTERPRET or torch.cuda.is_available()):
@@ -484,6 +510,10 @@ TINY = {
     "mistral": {},
     "qwen2": {},
     "qwen3": {},
+    "phi3": {},
+    "phi3-partialrope": {"partial_rotary_factor": 0.5},
+    "opt": {},
+    "opt-postnorm-projected": {"do_layer_norm_before": False, "word_embed_proj_dim": 32},
 }
 
 
@@ -548,6 +578,25 @@ def test_tiny_engine_logits_match_transformers(kv):
     assert_pool_full(fn.engine_state["engine"])
 
 
+@pytest.mark.parametrize("name", list(TINY))
+def test_every_family_prefill_and_decode_logits_match_transformers(name):
+    """The engine builds each family's model from its adapter: prefill logits at every position and
+    decode logits along a teacher-forced continuation (K/V read back from the paged cache) equal
+    transformers' forward."""
+    model = tiny_model(name.split("-")[0], **TINY[name])
+    x = torch.randint(3, 256, (2, 19), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(x).logits
+    fn = engine_logits_fn(model, block_size=4)
+    torch.testing.assert_close(fn(x), want, atol=1e-4, rtol=1e-4)
+    eng = LLMEngine(model, block_size=4, num_kv_blocks=12)
+    forced = x[0, 8:].tolist()
+    eng.sampler = _ForcingSampler(forced)
+    eng.generate([x[0, :8].tolist()], greedy(len(forced), ignore_eos=True))
+    torch.testing.assert_close(torch.stack(eng.sampler.logits), want[0, 7:-1], atol=1e-4, rtol=1e-4)
+    assert_pool_full(eng)
+
+
 def test_engine_rejects_bad_input():
     model = tiny_model("llama", num_hidden_layers=1)
     eng = LLMEngine(model, block_size=4, num_kv_blocks=3)
@@ -560,10 +609,10 @@ def test_engine_rejects_bad_input():
     with pytest.raises(QuantkitError, match="holds no block"):
         LLMEngine(model, kv_cache_memory="1KB")
     assert_pool_full(eng)
-    opt = transformers.AutoModelForCausalLM.from_config(transformers.OPTConfig(
-        hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=2, vocab_size=64, word_embed_proj_dim=32))
-    with pytest.raises(QuantkitError, match="Llama-family"):
-        LLMEngine(opt, num_kv_blocks=4)
+    gpt2 = transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(
+        n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    with pytest.raises(QuantkitError, match="unsupported architecture 'gpt2'"):
+        LLMEngine(gpt2, num_kv_blocks=4)
     windowed = LLMEngine(tiny_model("mistral", num_hidden_layers=1, sliding_window=16), num_kv_blocks=16)
     with pytest.raises(QuantkitError, match="sliding-window"):
         windowed.generate([[5] * 10], greedy(10))

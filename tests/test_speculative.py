@@ -20,12 +20,7 @@ from quantkit.errors import QuantkitError
 from tiny_models import VOCAB, assert_pool_full, greedy, hf_greedy, prompts, tiny_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ====================================================================== the acceptance rule
@@ -294,3 +289,45 @@ def test_draft_tokenizer_mismatch_is_refused(demo_dir):
         LLMEngine(target, num_kv_blocks=8, draft="ngram", num_speculative_tokens=0)
     with pytest.raises(QuantkitError, match="not a model"):
         LLMEngine(target, num_kv_blocks=8, draft="medusa")
+
+
+# ====================================================================== the demo model (slow)
+DEMO_PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived",
+                "def fibonacci(n):", "Summarise: The Eiffel Tower is a wrought-iron lattice tower in Paris. "
+                "It is named after the engineer Gustave Eiffel, whose company designed and built the tower. "
+                "Summary: The Eiffel Tower"]
+DEMO_MAX_NEW = [24, 24, 16, 20]
+
+
+def int4_copy(model, group_size: int = 64):
+    """The model with every decoder linear replaced by its RTN int4 QuantLinear (cpu backend), in memory."""
+    from quantkit.quantizers.grid import rtn_quantize
+    from quantkit.runtime.quant_linear import QuantLinear
+
+    draft = copy.deepcopy(model)
+    for name, module in list(draft.model.layers.named_modules()):
+        if isinstance(module, torch.nn.Linear):
+            parent_name, _, attr = name.rpartition(".")
+            qw = rtn_quantize(module.weight.data, 4, group_size, True, module.bias)
+            setattr(draft.model.layers.get_submodule(parent_name), attr,
+                    QuantLinear.from_quantized(qw, "gptq", dtype=torch.float32, backend="cpu"))
+    return draft
+
+
+@pytest.mark.slow
+def test_demo_speculative_greedy_equals_transformers(demo_dir):
+    """The fp32 demo with its own int4 copy as draft (k = 4) and with n-gram lookup (k = 3),
+    continuous batching of four prompts two at a time: transformers' greedy tokens exactly."""
+    tok = transformers.AutoTokenizer.from_pretrained(demo_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(demo_dir, dtype=torch.float32).eval()
+    ids = [tok(p).input_ids for p in DEMO_PROMPTS]
+    want = [hf_greedy(model, p, n) for p, n in zip(ids, DEMO_MAX_NEW)]
+    params = [greedy(n) for n in DEMO_MAX_NEW]
+    for draft, k in ((int4_copy(model), 4), ("ngram", 3)):
+        eng = LLMEngine(model, tok, max_num_seqs=2, num_kv_blocks=24, draft=draft, num_speculative_tokens=k,
+                        draft_tokenizer=tok if draft != "ngram" else None)
+        got = eng.generate(ids, params)
+        assert [g["token_ids"] for g in got] == want
+        m = eng.get_metrics()
+        assert 0 < m["accepted_tokens"] < m["draft_tokens"], m
+        assert_pool_full(eng)

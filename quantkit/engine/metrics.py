@@ -72,6 +72,7 @@ class EngineMetrics:
             "ttft_ms_per_request": [round(1000.0 * t, 3) for t in self.ttft_s],
             "tpot_ms": mean_ms(self.tpot_s),
             "decode_tokens_per_s": round(self.decode_tokens / self.decode_time_s, 2) if self.decode_time_s else None,
+            "decode_time_s": round(self.decode_time_s, 4),
             "prefill_tokens_per_s": (round(self.computed_prompt_tokens / self.prefill_time_s, 2)
                                      if self.prefill_time_s else None),
             "output_tokens": self.output_tokens,
