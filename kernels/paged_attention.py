@@ -204,7 +204,7 @@ def paged_attention_extend_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_ca
     G = H // kvh
     T = (slots.stop - slots.start) if isinstance(slots, slice) else slots.numel() // B
     k, v = _gather_dense(k_cache, k_scale, slots, B, T), _gather_dense(v_cache, v_scale, slots, B, T)
-    qf = q.float().view(B, Q, kvh, G, D).permute(0, 2, 1, 3, 4).reshape(B, kvh, Q * G, D)
+    qf = q.float().reshape(B, Q, kvh, G, D).permute(0, 2, 1, 3, 4).reshape(B, kvh, Q * G, D)
     scores = torch.matmul(qf, k.permute(0, 2, 3, 1)).mul_(scale).add_(mask)  # [B, kvh, Q * G, T]
     out = torch.matmul(torch.softmax(scores, dim=-1), v.transpose(1, 2))  # [B, kvh, Q * G, D]
     return out.view(B, kvh, Q, G, D).permute(0, 2, 1, 3, 4).reshape(B, Q, H, D).to(q.dtype)

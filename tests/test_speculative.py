@@ -17,7 +17,7 @@ from quantkit.engine.proposers import NgramProposer
 from quantkit.engine.sequence import Sequence
 from quantkit.engine.speculative import check_same_tokenizer
 from quantkit.errors import QuantkitError
-from tiny_models import VOCAB, assert_pool_full, greedy, hf_greedy, prompts, tiny_model
+from tiny_models import FAMILIES, VOCAB, assert_pool_full, greedy, hf_greedy, prompts, tiny_model
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -167,7 +167,7 @@ def make_draft(kind: str, target):
     return kind
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("draft_kind", BAD_DRAFTS)
 def test_speculative_greedy_equals_target_alone(family, draft_kind):
     """Four requests, two running at a time (later ones join mid-decode), k = 1, 3 and 5: greedy

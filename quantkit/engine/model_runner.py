@@ -225,7 +225,7 @@ class ModelRunner:
                 B, Q = meta.extend_shape
                 out = self._extend_attention(q.view(B, Q, *q.shape[1:]), kc, vc, meta.decode_slots, meta.decode_mask,
                                              self.scale, ks, vs)
-                return out.view(q.shape)
+                return out.reshape(q.shape)
             if meta.decode_slots is not None:
                 return self._gathered_attention(q, kc, vc, meta.decode_slots, meta.decode_mask, self.scale, ks, vs)
             return self._decode_attention(q, kc, vc, meta.block_tables_t, meta.context_lens_t, self.scale, ks, vs,
