@@ -116,7 +116,7 @@ def eval_cmd(model, baseline, dataset, seq_len, max_windows, backend, dtype, dev
 
 
 def _speculative_options(command):
-    """--draft, --num-speculative-tokens and --draft-dtype, shared by generate and bench."""
+    """--draft, --num-speculative-tokens, --draft-dtype and the LM-head options, shared by generate and bench."""
     for option in reversed([
         click.option("--draft", default=None,
                      help="Speculative decoding: a draft model with the target's tokenizer (quantized checkpoint, "
@@ -124,6 +124,10 @@ def _speculative_options(command):
         click.option("--num-speculative-tokens", type=click.IntRange(min=1), default=4, show_default=True,
                      help="Draft tokens verified per step (with --draft)."),
         click.option("--draft-dtype", default=None, help="Activation dtype of the draft model (default: its own)."),
+        click.option("--lm-head-quant", type=click.Choice(["int8", "int4"]), default=None,
+                     help="Decode through an RTN copy of the LM head only (the embedding is untouched; changes logits)."),
+        click.option("--draft-lm-head-quant", type=click.Choice(["int8", "int4"]), default=None,
+                     help="The same for the draft model (a cheaper draft step)."),
     ]):
         command = option(command)
     return command
@@ -146,7 +150,7 @@ def _speculative_options(command):
 @_speculative_options
 @click.option("--json", "as_json", is_flag=True)
 def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, seed, backend, kv_cache_dtype, block_size,
-             dtype, device, draft, num_speculative_tokens, draft_dtype, as_json):
+             dtype, device, draft, num_speculative_tokens, draft_dtype, lm_head_quant, draft_lm_head_quant, as_json):
     """Generate text through the paged-KV engine, streaming tokens as they come."""
     from quantkit.engine.api import generate_text
 
@@ -155,7 +159,8 @@ def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, see
     r = generate_text(model, prompt, max_new_tokens=max_new_tokens, chat=chat, temperature=temperature, top_p=top_p,
                       top_k=top_k, seed=seed, stream=stream, backend=backend, kv_cache_dtype=kv_cache_dtype,
                       block_size=block_size, dtype=dtype, device=device, draft=draft,
-                      num_speculative_tokens=num_speculative_tokens, draft_dtype=draft_dtype)
+                      num_speculative_tokens=num_speculative_tokens, draft_dtype=draft_dtype, lm_head_quant=lm_head_quant,
+                      draft_lm_head_quant=draft_lm_head_quant)
     if as_json:
         click.echo(json.dumps(r, default=str))
     else:
@@ -176,7 +181,7 @@ def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, see
 @_speculative_options
 @click.option("--json", "as_json", is_flag=True)
 def bench(model, batch, input_len, output_len, kv_cache_dtype, block_size, kv_cache_memory, backend, dtype, device, draft,
-          num_speculative_tokens, draft_dtype, as_json):
+          num_speculative_tokens, draft_dtype, lm_head_quant, draft_lm_head_quant, as_json):
     """TTFT, TPOT, tokens/s and KV-cache use of a batch run with continuous batching."""
     from quantkit.engine.api import run_bench
 
@@ -184,7 +189,8 @@ def bench(model, batch, input_len, output_len, kv_cache_dtype, block_size, kv_ca
     memory = int(kv_cache_memory) if kv_cache_memory is not None and str(kv_cache_memory).isdigit() else kv_cache_memory
     r = run_bench(model, batch=batch, input_len=input_len, output_len=output_len, kv_cache_dtype=kv_cache_dtype,
                   block_size=block_size, kv_cache_memory=memory, backend=backend, device=device, dtype=dtype,
-                  draft=draft, num_speculative_tokens=num_speculative_tokens, draft_dtype=draft_dtype)
+                  draft=draft, num_speculative_tokens=num_speculative_tokens, draft_dtype=draft_dtype,
+                  lm_head_quant=lm_head_quant, draft_lm_head_quant=draft_lm_head_quant)
     human = (f"ttft {r['ttft_ms']:.1f} ms, tpot {r['tpot_ms']:.1f} ms, {r['tokens_per_s']:.1f} tokens/s; "
              f"KV blocks {r['kv_blocks_used']}/{r['kv_blocks_total']} ({r['kv_bytes_per_block']} B each), "
              f"prefix hit rate {r['prefix_hit_rate']:.2f}")

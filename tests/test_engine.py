@@ -124,6 +124,40 @@ def test_block_manager_decode_append_registers_full_blocks():
     assert not full.can_append(s)
 
 
+def test_block_manager_lookahead_rollback_and_hashing_several_blocks():
+    """Speculative steps reserve slots past the last token (may_append with a lookahead); after the
+    step the blocks past the committed tokens go back to the front of the free list (rollback), and
+    every block the accepted tokens filled is hashed, chained, so a later prompt hits them all."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = _seq([1, 2, 3])
+    bm.allocate(a)
+    a.append_token(4)
+    assert bm.can_append(a, 5) and not bm.can_append(a, 30)
+    bm.may_append(a, 5)  # the last token + 5 draft tokens: 9 slots, 3 blocks
+    assert len(a.block_table) == 3 and bm.blocks[a.block_table[0]].hash is not None
+    for t in (5, 6, 7, 8, 9):  # 5 tokens accepted: 9 committed, blocks 0 and 1 full
+        a.append_token(t)
+    bm.rollback(a)
+    assert len(a.block_table) == 3  # 9 tokens still need 3 blocks
+    a.append_token(10)
+    bm.may_append(a, 0)
+    assert bm.blocks[a.block_table[1]].hash is not None  # filled by accepted tokens, hashed on the next step
+    del a.token_ids[-2:]  # as if only 8 were committed: block 2 holds rejected tokens only
+    bm.rollback(a)
+    assert len(a.block_table) == 2 and next(iter(bm.free)) not in a.block_table  # front of the free list
+    b = _seq([1, 2, 3, 4, 5, 6, 7, 8, 0])
+    bm.allocate(b)
+    assert b.block_table[:2] == a.block_table and b.num_cached_tokens == 8
+    bm.deallocate(b)
+    bm.deallocate(a)
+    assert bm.num_free_blocks == 8
+    c = _seq([1, 2, 3, 4, 5])  # its first block is cached: rolling back into a hashed block is a bug
+    bm.allocate(c)
+    del c.token_ids[:]
+    with pytest.raises(RuntimeError, match="cached or shared"):
+        bm.rollback(c)
+
+
 # ====================================================================== scheduler (no model)
 def _drive(sched: Scheduler, token=5, max_steps=10_000):
     """Run the scheduler with a fake model that always emits ``token``; returns (steps, max running)."""
@@ -867,3 +901,29 @@ def test_gpu_decode_benchmark_script_runs_its_steps_on_a_tiny_shape(tmp_path, mo
     rows = json.loads(out.read_text())["rows"]
     assert list(rows) == ["transformers generate float32", "engine float32 (unquantized)", "engine int4 rtn (backend cpu)"]
     assert all(r["decode_tokens_per_s"] > 0 for r in rows.values())
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_lm_head_quant_leaves_the_tied_embedding_and_equals_its_dequantized_head(mode):
+    """lm_head_quant runs the head through an RTN copy (per-row int8, or int4 in groups of 64 inputs)
+    and touches nothing else: with tied embeddings the embedding keeps its values, the decoder's
+    hidden states are unchanged, and the logits equal plain PyTorch's F.linear of transformers'
+    final hidden states with the RTN-dequantized head (within the kernels' bf16 rounding)."""
+    import torch.nn.functional as F
+
+    from quantkit.quantizers.grid import rtn_quantize
+
+    model = tiny_model("llama", tie_word_embeddings=True, hidden_size=128, intermediate_size=256)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    before = model.model.embed_tokens.weight.detach().clone()
+    x = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        hidden = model(x, output_hidden_states=True).hidden_states[-1]
+    bits, group = (8, -1) if mode == "int8" else (4, 64)
+    want = F.linear(hidden, rtn_quantize(before, bits, group, True).dequantize(torch.float32))
+    got = engine_logits_fn(model, block_size=4, lm_head_quant=mode)(x)
+    assert torch.equal(model.model.embed_tokens.weight, before)
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < 2 ** -7, err  # bf16 activations in the packed kernels
+    with pytest.raises(QuantkitError, match="lm_head_quant"):
+        LLMEngine(model, num_kv_blocks=4, lm_head_quant="int2")

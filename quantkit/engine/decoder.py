@@ -119,7 +119,9 @@ class DecoderModel:
     dtype: torch.dtype
 
     @classmethod
-    def build(cls, model: nn.Module, fuse_projections: bool) -> "DecoderModel":
+    def build(cls, model: nn.Module, fuse_projections: bool, lm_head_quant: Optional[str] = None) -> "DecoderModel":
+        """``lm_head_quant`` ("int8", "int4"): decode through a quantized copy of the head only
+        (engine.quantized_head); the embedding, tied or not, is untouched."""
         adapter = get_adapter(model)
         layout = adapter.decoder_layout(model)
         cfg = model.config
@@ -136,7 +138,14 @@ class DecoderModel:
         if layout.position_embedding is not None:
             positions = (resolve(model, layout.position_embedding).weight, layout.position_offset)
         project_in = matmul_fn(resolve(model, layout.project_in), dtype) if layout.project_in else None
-        return cls(layout, embed, project_in, positions, plans, fused, post, lm_head, matmul_fn(lm_head, dtype),
+        head = matmul_fn(lm_head, dtype)
+        if lm_head_quant is not None:
+            from quantkit.engine.quantized_head import quantized_head_fn
+
+            if not isinstance(lm_head, nn.Linear):
+                raise QuantkitError(f"lm_head_quant needs a plain linear LM head, not {type(lm_head).__name__}")
+            head = quantized_head_fn(lm_head.weight, lm_head.bias, lm_head_quant, dtype)
+        return cls(layout, embed, project_in, positions, plans, fused, post, lm_head, head,
                    num_heads, getattr(cfg, "num_key_value_heads", None) or num_heads, head_dim, dtype)
 
 

@@ -72,10 +72,13 @@ class LLMEngine:
                  max_num_batched_tokens: int = 8192, enable_prefix_caching: bool = True,
                  num_kv_blocks: Optional[int] = None, kv_cache_fraction: Optional[float] = None,
                  attention_backend: str = "auto", fuse_projections: Optional[bool] = None, draft=None,
-                 num_speculative_tokens: int = 4, draft_tokenizer=None):
+                 num_speculative_tokens: int = 4, draft_tokenizer=None, lm_head_quant: Optional[str] = None,
+                 draft_lm_head_quant: Optional[str] = None):
         """``draft``: speculative decoding (``engine.speculative``) with a draft model (same
         tokenizer: pass ``draft_tokenizer`` to have it checked), ``"ngram"`` (prompt lookup) or a
-        proposer object, verifying ``num_speculative_tokens`` draft tokens per step."""
+        proposer object, verifying ``num_speculative_tokens`` draft tokens per step.
+        ``lm_head_quant`` / ``draft_lm_head_quant`` ("int8", "int4"): decode through a quantized
+        copy of the target's / draft's LM head only (engine.quantized_head; changes the logits)."""
         if block_size < 1:
             raise QuantkitError(f"block_size must be at least 1, got {block_size}")
         self.model = model
@@ -83,11 +86,11 @@ class LLMEngine:
         runner_kw = dict(attention_backend=attention_backend, fuse_projections=fuse_projections)
         self.runner = ModelRunner(model, block_size=block_size, kv_cache_dtype=kv_cache_dtype, num_blocks=num_kv_blocks,
                                   kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction,
-                                  max_num_seqs=max_num_seqs, **runner_kw)
+                                  max_num_seqs=max_num_seqs, lm_head_quant=lm_head_quant, **runner_kw)
         self.speculative: Optional[SpeculativeDecoder] = None
         if draft is not None:
             proposer = make_proposer(draft, self.runner, num_speculative_tokens, max_num_seqs, tokenizer,
-                                     draft_tokenizer, kv_cache_dtype, **runner_kw)
+                                     draft_tokenizer, kv_cache_dtype, lm_head_quant=draft_lm_head_quant, **runner_kw)
             self.speculative = SpeculativeDecoder(self.runner, proposer, num_speculative_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, eos_token_ids(model, tokenizer),

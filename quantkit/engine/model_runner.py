@@ -87,7 +87,8 @@ class ModelRunner:
     def __init__(self, model, block_size: int = 16, kv_cache_dtype: Union[str, torch.dtype, None] = "auto",
                  num_blocks: Optional[int] = None, kv_cache_memory: Union[int, str, None] = None,
                  kv_cache_fraction: Optional[float] = None, max_num_seqs: int = 64,
-                 attention_backend: str = "auto", fuse_projections: Optional[bool] = None):
+                 attention_backend: str = "auto", fuse_projections: Optional[bool] = None,
+                 lm_head_quant: Optional[str] = None):
         self.model = model
         cfg = model.config
         self.config = cfg
@@ -96,7 +97,7 @@ class ModelRunner:
         # where per-call overhead dominates and the stacked copy of those weights costs little
         if fuse_projections is None:
             fuse_projections = self.device.type == "cpu"
-        self.decoder = DecoderModel.build(model, fuse_projections)
+        self.decoder = DecoderModel.build(model, fuse_projections, lm_head_quant)
         dm = self.decoder
         self.embed, self.lm_head, self.head = dm.embed, dm.lm_head, dm.head
         self.plans, self.fused = dm.plans, dm.fused
