@@ -331,3 +331,34 @@ def test_demo_speculative_greedy_equals_transformers(demo_dir):
         m = eng.get_metrics()
         assert 0 < m["accepted_tokens"] < m["draft_tokens"], m
         assert_pool_full(eng)
+
+
+@pytest.mark.slow
+def test_cli_generate_and_bench_with_a_draft(tiny_llama_dir, tmp_path):
+    """`generate`/`bench` --draft DIR|ngram --num-speculative-tokens K: the same tokens as without a
+    draft, JSON with acceptance_rate, mean_accepted_tokens and tokens_per_s; a draft whose tokenizer
+    differs exits 2 with one line."""
+    from conftest import last_json, run_cli
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
+    noisy_copy(model, 0.05).save_pretrained(tmp_path / "draft")
+    tok.save_pretrained(tmp_path / "draft")
+    tok.add_tokens(["<quantkit-extra>"])
+    noisy_copy(model, 0.05).save_pretrained(tmp_path / "other")
+    tok.save_pretrained(tmp_path / "other")
+    base = ["generate", "--model", tiny_llama_dir, "--prompt", "Hello there, how", "--max-new-tokens", "10", "--json"]
+    plain = last_json(run_cli(*base).stdout)
+    for draft in (tmp_path / "draft", "ngram"):
+        r = run_cli(*base, "--draft", draft, "--num-speculative-tokens", "3")
+        assert r.returncode == 0, r.stderr
+        out = last_json(r.stdout)
+        assert out["token_ids"] == plain["token_ids"]
+        assert out["tokens_per_s"] > 0 and out["acceptance_rate"] is not None and "mean_accepted_tokens" in out
+    r = run_cli("bench", "--model", tiny_llama_dir, "--batch", "2", "--input-len", "12", "--output-len", "6",
+                "--draft", tmp_path / "draft", "--num-speculative-tokens", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    out = last_json(r.stdout)
+    assert out["output_tokens"] == 12 and 0 <= out["acceptance_rate"] <= 1 and out["tokens_per_s"] > 0
+    r = run_cli(*base, "--draft", tmp_path / "other")
+    assert r.returncode == 2 and "tokenizer differs" in r.stderr and len(r.stderr.strip().splitlines()) == 1
