@@ -177,6 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=None, help="folder for the int4/int8 checkpoints (reused when present)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--rows", default=None, help="regex: time only the rows whose name matches (e.g. 'engine')")
     ap.add_argument("--lm-head-quant", default="", help="comma list of int8, int4: rows with the LM head quantized")
     ap.add_argument("--llamacpp-python", default=os.environ.get("QUANTKIT_LLAMACPP_PYTHON"),
                     help="a Python with llama-cpp-python: adds llama.cpp on the demo GGUF as a row")
@@ -256,6 +257,10 @@ def main(argv=None) -> int:
         measures["llama.cpp (demo Q4_1 GGUF)"] = lambda: llamacpp_decode(args.llamacpp_python, prompt, N,
                                                                           torch.get_num_threads())
 
+    if args.rows:
+        import re
+
+        measures = {name: m for name, m in measures.items() if re.search(args.rows, name)}
     # rounds: every row once per round, so a slow spell of this machine hits all rows alike
     runs: dict[str, list[dict]] = {name: [] for name in measures}
     for r in range(args.repeats):

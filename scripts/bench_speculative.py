@@ -81,6 +81,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draft", default=None, help="draft checkpoint (default: an RTN int4 one made in --workdir)")
     ap.add_argument("--draft-dtype", default="bfloat16", help="draft activations (the packed int4 kernel computes in bf16)")
+    ap.add_argument("--draft-lm-head-quant", default="int8", help="the draft's LM head: int8, int4 or none (a "
+                    "cheaper draft step; the target's head is never quantized)")
     ap.add_argument("--ks", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -106,14 +108,16 @@ def main(argv=None) -> int:
     free, quote = chat_ids(tok, FREE_PROMPT), chat_ids(tok, QUOTE_PROMPT)
     blocks = -(-(max(len(free), len(quote)) + N + 16) // 16) + 2
 
+    head = None if args.draft_lm_head_quant == "none" else args.draft_lm_head_quant
+
     def engine(model, **kw):
         return LLMEngine(model, tok, num_kv_blocks=blocks, max_num_seqs=1, enable_prefix_caching=False, **kw)
 
     rows = {"target alone (free)": (engine(target), free), "target alone (quote)": (engine(target), quote),
-            "int4 draft alone (free)": (engine(draft), free)}
+            "int4 draft alone (free)": (engine(draft, lm_head_quant=head), free)}
     for k in ks:
-        rows[f"int4 draft, k={k} (free)"] = (engine(target, draft=draft, num_speculative_tokens=k,
-                                                   draft_tokenizer=tok), free)
+        rows[f"int4 draft, k={k} (free)"] = (engine(target, draft=draft, num_speculative_tokens=k, draft_tokenizer=tok,
+                                                   draft_lm_head_quant=head), free)
     for k in (2, 4):
         rows[f"ngram, k={k} (quote)"] = (engine(target, draft="ngram", num_speculative_tokens=k), quote)
         rows[f"ngram, k={k} (free)"] = (engine(target, draft="ngram", num_speculative_tokens=k), free)
@@ -135,7 +139,8 @@ def report(runs: dict, ks: list[int], args, draft_path, tok, free_len: int, quot
     want = {key: runs[f"target alone ({key})"][0]["tokens"] for key in base}
     c_rounds = [d["step_ms"] / t["step_ms"] for d, t in zip(runs["int4 draft alone (free)"], base["free"])]
     c = med(c_rounds)
-    print(f"\ndemo model fp32 target, draft {draft_path} ({args.draft_dtype} activations), {torch.get_num_threads()} "
+    print(f"\ndemo model fp32 target, draft {draft_path} ({args.draft_dtype} activations, LM head "
+          f"{args.draft_lm_head_quant}), {torch.get_num_threads()} "
           f"threads, {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, batch 1, "
           f"{args.new_tokens} new tokens, prompts of {free_len} (free) / {quote_len} (quote) tokens, median of "
           f"{args.rounds} rounds; the machine is shared, per-round ratios below")
