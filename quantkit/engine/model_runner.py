@@ -115,23 +115,7 @@ class ModelRunner:
         self.bytes_per_block = bytes_per_block(self.num_layers, block_size, self.num_kv_heads, self.head_dim,
                                                kv_dtype, quantized)
         if num_blocks is None:
-            if kv_cache_memory is not None:
-                budget = parse_bytes(kv_cache_memory)
-                num_blocks = budget // self.bytes_per_block
-            else:
-                cuda = self.device.type == "cuda"
-                frac = kv_cache_fraction
-                if frac is None:
-                    frac = GPU_DEFAULT_FRACTION if cuda else CPU_DEFAULT_FRACTION
-                budget = int(available_memory(self.device) * frac)
-                if not cuda:
-                    budget = min(budget, CPU_DEFAULT_CAP)
-                max_len = int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
-                cap = max_num_seqs * (-(-max_len // block_size))  # never more than every slot at full length
-                num_blocks = min(budget // self.bytes_per_block, cap)
-            if num_blocks < 1:
-                raise QuantkitError(f"the KV cache budget of {budget} bytes holds no block of {self.bytes_per_block} "
-                                    f"bytes ({block_size} tokens); give it more memory")
+            num_blocks = self._pool_blocks(kv_cache_memory, kv_cache_fraction, max_num_seqs)
         self.num_blocks = int(num_blocks)
         self.kv_cache = KVCache(self.num_layers, self.num_blocks, block_size, self.num_kv_heads, self.head_dim,
                                 self.dtype, kv_cache_dtype, self.device)
@@ -151,6 +135,28 @@ class ModelRunner:
             self.use_triton = self.device.type == "cuda" and triton_decode_available(self.device)
         else:
             self.use_triton = attention_backend == "triton"
+
+    def _pool_blocks(self, kv_cache_memory, kv_cache_fraction: Optional[float], max_num_seqs: int) -> int:
+        """KV blocks for a memory budget: the given one, else a fraction of free memory (capped on
+        CPU), never more than every sequence slot at full length."""
+        if kv_cache_memory is not None:
+            budget = parse_bytes(kv_cache_memory)
+            num_blocks = budget // self.bytes_per_block
+        else:
+            cuda = self.device.type == "cuda"
+            frac = kv_cache_fraction
+            if frac is None:
+                frac = GPU_DEFAULT_FRACTION if cuda else CPU_DEFAULT_FRACTION
+            budget = int(available_memory(self.device) * frac)
+            if not cuda:
+                budget = min(budget, CPU_DEFAULT_CAP)
+            max_len = int(getattr(self.config, "max_position_embeddings", 4096) or 4096)
+            cap = max_num_seqs * (-(-max_len // self.block_size))
+            num_blocks = min(budget // self.bytes_per_block, cap)
+        if num_blocks < 1:
+            raise QuantkitError(f"the KV cache budget of {budget} bytes holds no block of {self.bytes_per_block} "
+                                f"bytes ({self.block_size} tokens); give it more memory")
+        return num_blocks
 
     # ------------------------------------------------------------------ batch preparation
     def _slots(self, seq: Sequence, start: int, end: int, skip_below: int = 0) -> list[int]:
