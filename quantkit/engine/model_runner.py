@@ -267,7 +267,8 @@ class ModelRunner:
         rope = None
         if self.rotary is not None:
             cos, sin = self.rotary.cos_sin(positions, x.dtype)
-            rope = (cos[:, None, :], RotaryEmbedding.signed_sin(sin)[:, None, :])
+            rotate = self.rotary.rotate_partial if self.rotary.partial else RotaryEmbedding.rotate
+            rope = (rotate, cos[:, None, :], RotaryEmbedding.signed_sin(sin)[:, None, :])
         for i, p in enumerate(self.plans):
             h = p.attn_norm(x) if p.norm_before else x
             q, k, v = self._qkv(p, h, N, rope)
@@ -283,13 +284,13 @@ class ModelRunner:
         return x
 
     def _qkv(self, p, h: torch.Tensor, N: int, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [N, H, D], k and v [N, KVH, D], rotated (and normed, scaled) as the family does."""
+        """q [N, H, D], k and v [N, KVH, D], rotated (and normed, scaled) as the family does; ``rope``
+        is (rotate, cos, signed sin) or None."""
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
-        rotate = self.rotary.rotate_partial if self.rotary is not None else None
         if p.qkv is not None:
             qkv = p.qkv(h).view(N, H + 2 * KVH, D)
             if rope is not None and p.q_norm is None and p.query_scale is None:  # q and k rotated as one tensor
-                qk = rotate(qkv[:, :H + KVH], *rope)
+                qk = rope[0](qkv[:, :H + KVH], rope[1], rope[2])
                 return qk[:, :H], qk[:, H:], qkv[:, H + KVH:]
             q, k, v = qkv[:, :H], qkv[:, H:H + KVH], qkv[:, H + KVH:]
         else:
@@ -299,7 +300,8 @@ class ModelRunner:
         if p.q_norm is not None:
             q, k = p.q_norm(q), p.k_norm(k)
         if rope is not None:
-            q, k = rotate(q, *rope), rotate(k, *rope)
+            rotate, cos, sin_signed = rope
+            q, k = rotate(q, cos, sin_signed), rotate(k, cos, sin_signed)
         return q, k, v
 
     @staticmethod
