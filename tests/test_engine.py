@@ -23,6 +23,7 @@ from quantkit.engine.scheduler import Scheduler
 from quantkit.engine.sequence import Sequence, SequenceStatus
 from quantkit.errors import QuantkitError
 from quantkit.kernels import paged_attention as pa
+from quantkit.kernels import triton_support
 from tiny_models import assert_pool_full, greedy, hf_greedy, tiny_model
 from tiny_models import prompts as _prompts
 
@@ -350,7 +351,7 @@ def test_sliced_linear_is_f_linear_bit_for_bit(out_features, in_features, bias, 
 def test_rms_norm_is_transformers_bit_for_bit():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from quantkit.engine.decoder import rms_norm
+    from quantkit.models.norms import rms_norm
 
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -426,9 +427,9 @@ def _loop_attention(q, k, v, tables, lens, scale, ks=None, vs=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_paged_decode_triton_vs_reference(dtype):
-    if not pa.HAS_TRITON or not (pa.INTERPRET or torch.cuda.is_available()):
+    if not pa.HAS_TRITON or not (triton_support.INTERPRET or torch.cuda.is_available()):
         pytest.skip("triton interpreter not active")
-    dev = "cuda" if torch.cuda.is_available() and not pa.INTERPRET else "cpu"
+    dev = "cuda" if torch.cuda.is_available() and not triton_support.INTERPRET else "cpu"
     for group, head_dim, block_size, lens in [(3, 16, 4, (7, 1, 12, 4)), (1, 8, 8, (16, 9)), (4, 32, 2, (3, 5))]:
         q, k, v, tables, lens_t = _paged_case(dtype, group=group, head_dim=head_dim, block_size=block_size, lens=lens)
         scale = head_dim ** -0.5
@@ -523,7 +524,7 @@ def test_paged_extend_gathered_vs_per_query_loop(dtype, kv):
 
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
 def test_paged_decode_triton_quantized_cache(kv_dtype):
-    if not pa.HAS_TRITON or not (pa.INTERPRET or torch.cuda.is_available()):
+    if not pa.HAS_TRITON or not (triton_support.INTERPRET or torch.cuda.is_available()):
         pytest.skip("triton interpreter not active")
     q, k, v, tables, lens = _paged_case(torch.float32, lens=(9, 2, 6))
     kq, ks = quantize_kv(k, kv_dtype)
@@ -567,7 +568,7 @@ def test_tiny_models_greedy_match_transformers(name):
 
 
 def test_tiny_triton_decode_backend_and_preemption():
-    if not pa.HAS_TRITON or not pa.INTERPRET:
+    if not pa.HAS_TRITON or not triton_support.INTERPRET:
         pytest.skip("triton interpreter not active")
     model = tiny_model("llama", num_hidden_layers=1)
     prompts = _prompts(3, [6, 3, 9], seed=2)

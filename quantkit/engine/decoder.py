@@ -24,17 +24,8 @@ from quantkit.engine.sliced_linear import linear_fn
 from quantkit.errors import QuantkitError
 from quantkit.models import get_adapter
 from quantkit.models.base import resolve
+from quantkit.models.norms import rms_norm
 from quantkit.models.layout import GATED, LAYER, RMS, DecoderLayout
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm exactly as transformers' Llama/Qwen/Phi-3: normalise in fp32, cast back, scale.
-
-    ``F.rms_norm`` without a weight is PyTorch's composite of the very ops transformers writes out
-    (upcast, pow, mean, + eps, rsqrt, mul, cast back), one Python call instead of seven (tested
-    bit-equal in fp32, bf16 and fp16). The weight stays outside: inside, bf16 would round once
-    where transformers rounds twice."""
-    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
 def matmul_fn(module: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:

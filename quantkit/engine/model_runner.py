@@ -22,7 +22,6 @@ projection are rotated as one tensor, attention's per-step set-up is shared by a
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -34,6 +33,8 @@ from quantkit.engine.kv_cache import KVCache, bytes_per_block, parse_bytes, reso
 from quantkit.engine.rotary import RotaryEmbedding
 from quantkit.engine.sequence import Sequence
 from quantkit.errors import QuantkitError
+from quantkit.notices import notice
+from quantkit.platform_support import available_memory_bytes
 
 CPU_DEFAULT_FRACTION = 0.25
 CPU_DEFAULT_CAP = 4 << 30
@@ -41,16 +42,15 @@ GPU_DEFAULT_FRACTION = 0.9
 
 
 def available_memory(device: torch.device) -> int:
+    """Free memory of `device` in bytes; on a host that cannot tell, the CPU cap (with a notice)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    free = available_memory_bytes()
+    if free is None:
+        notice(f"free host memory is unknown on this platform; the KV pool takes {CPU_DEFAULT_CAP >> 30} GiB "
+               "(set kv_cache_memory to choose)")
+        return int(CPU_DEFAULT_CAP / CPU_DEFAULT_FRACTION)
+    return int(free)
 
 
 @dataclass
@@ -120,6 +120,7 @@ class ModelRunner:
         self.kv_cache = KVCache(self.num_layers, self.num_blocks, block_size, self.num_kv_heads, self.head_dim,
                                 self.dtype, kv_cache_dtype, self.device)
 
+        from quantkit.kernels import triton_installed
         from quantkit.kernels.paged_attention import (decode_slots, extend_slots, paged_attention_decode,
                                                       paged_attention_decode_gathered, paged_attention_extend_gathered,
                                                       triton_decode_available)
@@ -131,6 +132,9 @@ class ModelRunner:
         self._extend_slots = extend_slots
         if attention_backend not in ("auto", "torch", "triton"):
             raise QuantkitError(f"attention_backend must be auto, torch or triton, got {attention_backend!r}")
+        if attention_backend == "triton" and not triton_installed():
+            raise QuantkitError("attention_backend 'triton' needs the triton package, which is not installed "
+                                "(Linux wheels only); use attention_backend 'torch'")
         if attention_backend == "auto":
             self.use_triton = self.device.type == "cuda" and triton_decode_available(self.device)
         else:
