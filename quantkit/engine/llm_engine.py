@@ -137,9 +137,6 @@ class LLMEngine:
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
-    def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.is_finished()
-
     def step(self) -> list[tuple[Sequence, int]]:
         """Run one scheduled prefill or decode step; returns (sequence, new token) for each token it
         appended (one per sequence, or several after a speculative decode step)."""

@@ -58,13 +58,9 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict, max_position_embedding
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RotaryEmbedding:
-    """``q, k = rope(positions, q, k)`` with q [N, H, D], k [N, KVH, D], positions [N]."""
+    """Rotary position embedding: cos/sin per position (`cos_sin`, once per step for all layers) and the
+    rotation of q and k as transformers' rotate_half layout defines it (`rotate`, `rotate_partial`)."""
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0, head_dim: Optional[int] = None):
         self.inv_freq = inv_freq.float()
@@ -105,12 +101,6 @@ class RotaryEmbedding:
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
     @staticmethod
-    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [N, H, D] and k [N, KVH, D] by cos/sin [N, D] (computed once per step, shared by all layers)."""
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-    @staticmethod
     def signed_sin(sin: torch.Tensor) -> torch.Tensor:
         """``sin`` with its first half negated, for :meth:`rotate`."""
         half = sin.shape[-1] // 2
@@ -129,6 +119,3 @@ class RotaryEmbedding:
             return self.rotate(x, cos, sin_signed)
         rd = self.rotary_dim
         return torch.cat((self.rotate(x[..., :rd], cos, sin_signed), x[..., rd:]), dim=-1)
-
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.apply(q, k, *self.cos_sin(positions, q.dtype))
