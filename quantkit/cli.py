@@ -204,7 +204,8 @@ def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, see
 
 @cli.command()
 @click.option("--model", default="demo", show_default=True, help="Quantized checkpoint, HF folder, or 'demo'.")
-@click.option("--batch", type=int, default=8, show_default=True)
+@click.option("--batch-size", "batch", type=int, default=8, show_default=True,
+              help="Prompts run together (continuous batching), as --batch-size counts sequences everywhere.")
 @click.option("--input-len", type=int, default=128, show_default=True)
 @click.option("--output-len", type=int, default=128, show_default=True)
 @click.option("--kv-cache-dtype", default="auto", show_default=True, help="auto (model dtype), int8 or fp8.")

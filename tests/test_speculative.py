@@ -355,7 +355,7 @@ def test_cli_generate_and_bench_with_a_draft(tiny_llama_dir, tmp_path):
         out = last_json(r.stdout)
         assert out["token_ids"] == plain["token_ids"]
         assert out["tokens_per_s"] > 0 and out["acceptance_rate"] is not None and "mean_accepted_tokens" in out
-    r = run_cli("bench", "--model", tiny_llama_dir, "--batch", "2", "--input-len", "12", "--output-len", "6",
+    r = run_cli("bench", "--model", tiny_llama_dir, "--batch-size", "2", "--input-len", "12", "--output-len", "6",
                 "--draft", tmp_path / "draft", "--num-speculative-tokens", "2", "--json")
     assert r.returncode == 0, r.stderr
     out = last_json(r.stdout)
