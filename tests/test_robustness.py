@@ -92,7 +92,7 @@ def interrupt_after_layer(args: list, output: Path, layer: int, sig: int, timeou
 def test_demo_resume_after_sigint_is_byte_identical_and_runs_are_deterministic(tmp_path):
     from quantkit import __version__
 
-    args = ["--method", "rtn", "--bits", "4", "--seed", "7", "--json"]
+    args = ["--method", "rtn", "--bits", "4", "--json"]  # RTN reads no calibration data (a --seed is refused)
     ref, again, out = tmp_path / "ref", tmp_path / "again", tmp_path / "out"
     proc = run_cli("quantize", *args, "--output", ref)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -100,12 +100,12 @@ def test_demo_resume_after_sigint_is_byte_identical_and_runs_are_deterministic(t
     reference = tree_sha256(ref)
     assert "model.safetensors" in reference and "config.json" in reference
 
-    # determinism: same model, data, recipe and seed -> the same bytes, file by file
+    # determinism: same model and recipe -> the same bytes, file by file
     proc = run_cli("quantize", *args, "--output", again)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert tree_sha256(again) == reference
     card = (ref / "README.md").read_text()
-    assert "- seed: `7`" in card and f"quantkit {__version__}" in card
+    assert "- seed:" not in card and f"quantkit {__version__}" in card
 
     # Ctrl-C (a real SIGINT to the real CLI) once layer 3 is on disk
     staging = tmp_path / ".out.partial"
