@@ -85,28 +85,23 @@ def quantize(
         model, dtype=None, trust_remote_code=trust_remote_code, streaming=streaming)
     save_dtype = parse_dtype(dtype) or source_dtype(hf_model.config)
     adapter = get_adapter(hf_model)
-    experts = _expert_policy(plan, adapter, hf_model, layer_source)
-    schemes = _linear_schemes(plan, hf_model, adapter)
+    experts, schemes = _expert_policy(plan, adapter, hf_model, layer_source), _linear_schemes(plan, hf_model, adapter)
     if output is None:
         output = _default_output(base_name, plan, schemes)
         _check_output(output, overwrite, resume)
     output = Path(output)
     input_ids, cal_batch = _calibration_set(plan, hf_model, tokenizer)
     store = _progress_store(output, model, plan, save_dtype, cal_batch, input_ids, resume)
-    stats: dict[int, dict] = {}
     job = dict(device=torch.device(device or "cpu"), batch_size=cal_batch or 1, progress=progress, store=store,
-               layer_source=layer_source, experts=experts, stats=stats)
+               layer_source=layer_source, experts=experts, stats={})
     with bounded_heap() if layer_source is not None else contextlib.nullcontext():  # scoped to this run
-        _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job, output, tokenizer,
-                             base_name, save_dtype, max_shard_size, overwrite)
+        moe = _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job, output, tokenizer,
+                                   base_name, save_dtype, max_shard_size, overwrite)
     metrics = None
     if eval_after:
         del hf_model
         metrics = _record_quality(output, model, plan, device)
-    summary = _summary(output, plan, schemes, layer_source, cal_batch, t0, metrics)
-    if experts is not None:
-        summary["moe"] = moe_report(adapter, adapter.layers_prefix(hf_model), experts, stats, plan)
-    return summary
+    return {**_summary(output, plan, schemes, layer_source, cal_batch, t0, metrics), **({"moe": moe} if moe else {})}
 
 
 def _expert_policy(plan, adapter, hf_model, layer_source):
@@ -216,7 +211,8 @@ def _progress_store(output: Path, model: str, plan, save_dtype, batch_size, inpu
 
 
 def _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job: dict, output: Path, tokenizer,
-                         base_name: str, save_dtype, max_shard_size: str, overwrite: bool) -> None:
+                         base_name: str, save_dtype, max_shard_size: str, overwrite: bool) -> Optional[dict]:
+    """Calibrate, then write the checkpoint; returns a MoE model's calibration report (None if dense)."""
     from quantkit.checkpoint import write_checkpoint
     from quantkit.pipeline import quantize_model
 
@@ -225,12 +221,12 @@ def _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job: dict,
         quantize_model(hf_model, adapter, plan.recipe, schemes, input_ids, release_layers=True, **job)
         ignore_names = sorted({n for n in adapter.linear_shapes(hf_model) if n not in schemes}
                               | set(adapter.full_precision_modules(hf_model)))
+        moe = (moe_report(adapter, adapter.layers_prefix(hf_model), job["experts"], job["stats"], plan)
+               if job["experts"] is not None else None)
         if plan.gguf_type is not None:
             _write_gguf(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), plan.gguf_type,
                         plan.method_info(), base_name, overwrite)
         else:
-            moe = (moe_report(adapter, adapter.layers_prefix(hf_model), job["experts"], job["stats"], plan)
-                   if job["experts"] is not None else None)
             write_checkpoint(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), plan.format,
                              plan.method_info(), plan.recipe.format_extra(), base_name, save_dtype, ignore_names,
                              max_shard_size=max_shard_size, overwrite=overwrite, rename=adapter.checkpoint_name,
@@ -239,6 +235,7 @@ def _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job: dict,
         if not store.done_layers():
             shutil.rmtree(store.folder, ignore_errors=True)  # nothing worth resuming: leave no trace
         raise
+    return moe
 
 
 def _summary(output: Path, plan, schemes: dict, layer_source, cal_batch, t0: float, metrics) -> dict[str, Any]:

@@ -394,3 +394,10 @@ def test_moe_settings_are_refused_where_they_mean_nothing(model_dir, tiny_llama_
                           moe_calibration="some")
     with pytest.raises(QuantkitError, match="GGUF"):
         quantkit.quantize(str(model_dir("olmoe")), "rtn", format="gguf", output=tmp_path / "d", progress=False)
+
+
+def test_engine_refuses_moe_models_instead_of_running_them_wrong():
+    from quantkit.engine import LLMEngine
+
+    with pytest.raises(QuantkitError, match="Mixture-of-Experts"):
+        LLMEngine(build("qwen3_moe"), num_kv_blocks=16)

@@ -76,6 +76,19 @@ def _norm_eps(module, default: float) -> float:
     return default
 
 
+def _refuse_experts(model, layers) -> None:
+    """The engine has no routed-experts path yet: a Mixture-of-Experts model is refused, not run wrong."""
+    from quantkit.models import get_adapter
+
+    try:
+        adapter = get_adapter(model)
+    except QuantkitError:
+        return  # not a family quantkit knows: the structural checks below decide
+    if any(adapter.moe_blocks(layer) for layer in layers):
+        raise QuantkitError(f"the engine does not decode Mixture-of-Experts models ({model.config.model_type}) yet; "
+                            "use quantkit.load with transformers' generate, or quantkit eval without --engine")
+
+
 def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
@@ -141,6 +154,7 @@ class ModelRunner:
         if inner is None or layers is None or not hasattr(inner, "embed_tokens") or not hasattr(inner, "norm"):
             raise QuantkitError(f"the engine runs Llama-family models (Llama, Mistral, Qwen2, Qwen3); "
                                 f"{type(model).__name__} has no model.layers / embed_tokens / norm")
+        _refuse_experts(model, layers)
         for layer in layers:
             attn = getattr(layer, "self_attn", None)
             if attn is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) \

@@ -258,7 +258,10 @@ class AWQTransform(Transform):
             return
 
         cap = self._capture(ctx, groups, clip_targets)
-        searched = [(g, self._search_group(layer, g, cap, ctx.schemes)) for g in groups]
+        # a routed expert no calibration token reached has nothing to balance: its scales stay 1
+        searched = [(g, self._search_group(layer, g, cap, ctx.schemes) if g.input_module in cap.x_abs_sum
+                     else {"alpha": None, "losses": [], "scales": torch.ones(layer.get_submodule(g.linears[0]).in_features)})
+                    for g in groups]
         for group, found in searched:
             if found["alpha"] is not None:
                 fold_scales(layer, group, found["scales"])
@@ -332,9 +335,6 @@ class AWQTransform(Transform):
     @torch.no_grad()
     def _search_group(self, layer: nn.Module, group, cap: _Capture, schemes: dict[str, LinearScheme]) -> dict:
         first = group.input_module
-        if first not in cap.x_abs_sum:  # a routed expert no calibration token reached: nothing to balance
-            return {"alpha": None, "scales": torch.ones(layer.get_submodule(group.linears[0]).in_features),
-                    "losses": []}
         x_mean = (cap.x_abs_sum[first] / max(1, cap.x_count[first])).float()
         quantized = [n for n in group.linears if n in schemes]
         linears = {n: layer.get_submodule(n) for n in quantized}

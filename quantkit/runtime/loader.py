@@ -223,8 +223,7 @@ def load_model(path: str, backend: str = "auto", device: Optional[str] = None, d
         raise QuantkitError(f"{folder}/config.json: cannot build the model ({first_line(exc)})") from None
     adapter = experts_as_linears(model)
     if adapter is not None:  # the checkpoint's names (Mixtral's block_sparse_moe.experts.e.w1) -> the model's
-        state = {adapter.model_name(k): v for k, v in state.items()}
-        where = {adapter.model_name(k): v for k, v in where.items()}
+        state, where = ({adapter.model_name(k): v for k, v in d.items()} for d in (state, where))
     try:
         specs = quantized_specs(fmt, qcfg, model, adapter)
     except QuantkitError as exc:
