@@ -18,7 +18,9 @@ otherwise.
 decode step on a small model is dispatch-bound (a few µs per PyTorch op, ~60 ops per layer in the
 reference), so the per-step work (slot of every cached token, the padding mask) is done once per
 step by :func:`decode_slots` and shared by all layers, and each layer's attention is then a handful
-of ops (two gathers, two matmuls, a softmax, in fp32).
+of ops (two gathers, two matmuls, a softmax, in fp32). :func:`extend_slots` +
+:func:`paged_attention_extend_gathered` are the same for several new tokens per sequence over its
+cached prefix (speculative decoding's verification step), with a causal mask built once per step.
 
 Kernel: one program per (sequence, KV head). It loads the ``GROUP`` query heads that share the KV
 head (GQA) once, walks the sequence's blocks, loads each K/V block once for the whole group,
@@ -36,7 +38,8 @@ from . import triton_support
 from .triton_support import HAS_TRITON, tl, triton
 
 __all__ = ["paged_attention_decode", "paged_attention_decode_reference", "paged_attention_decode_gathered",
-           "decode_slots", "gather_kv", "index_blocks", "triton_decode_available"]
+           "paged_attention_extend_gathered", "decode_slots", "extend_slots", "gather_kv", "index_blocks",
+           "triton_decode_available"]
 
 
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
@@ -115,6 +118,24 @@ def decode_slots(block_tables: list[list[int]], context_lens: list[int], block_s
     return slots, mask[:, None, None, :]
 
 
+def _gather_dense(cache: torch.Tensor, scale: Optional[torch.Tensor], slots: Union[torch.Tensor, slice], B: int,
+                  T: int) -> torch.Tensor:
+    """The cached vectors at ``slots`` as fp32 [B, T, kvh, D] (dequantized when ``scale`` is given).
+    ``index_select`` rather than advanced indexing, a view for a ``slice``: each is a few µs cheaper."""
+    kvh, D = cache.shape[2], cache.shape[3]
+    flat = cache.view(-1, kvh, D)
+    run = isinstance(slots, slice)
+    if run:
+        x = flat[slots].float()
+    else:
+        x = (flat.view(torch.uint8).index_select(0, slots).view(cache.dtype) if cache.dtype in _FP8
+             else flat.index_select(0, slots)).float()  # [B * T, kvh, D]
+    if scale is not None:
+        sc = scale.view(-1, kvh)
+        x = x * (sc[slots] if run else sc.index_select(0, slots)).unsqueeze(-1)
+    return x.view(B, T, kvh, D)
+
+
 def paged_attention_decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                     slots: Union[torch.Tensor, slice], mask: Optional[torch.Tensor], scale: float,
                                     k_scale: Optional[torch.Tensor] = None,
@@ -123,27 +144,12 @@ def paged_attention_decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_ca
 
     Computed in fp32 whatever the cache dtype (as the reference and the Triton kernel do): on CPU a
     bf16 ``bmm`` costs several times an fp32 one at these sizes, more than the casts. Quantized
-    caches are dequantized after the gather. ``index_select`` rather than advanced indexing, and 3-D
-    ``bmm`` for one sequence: each is a few µs cheaper, which is what a decode step of a small model
-    is made of."""
+    caches are dequantized after the gather; 3-D ``bmm`` for one sequence (a few µs cheaper, which
+    is what a decode step of a small model is made of)."""
     B, H, D = q.shape
     kvh = k_cache.shape[2]
-    run = isinstance(slots, slice)
-    T = (slots.stop - slots.start) if run else slots.numel() // B
-
-    def dense(cache, sc):
-        flat = cache.view(-1, kvh, D)
-        if run:
-            x = flat[slots].float()
-        else:
-            x = (flat.view(torch.uint8).index_select(0, slots).view(cache.dtype) if cache.dtype in _FP8
-                 else flat.index_select(0, slots)).float()  # [B * T, kvh, D]
-        if sc is not None:
-            sc = sc.view(-1, kvh)
-            x = x * (sc[slots] if run else sc.index_select(0, slots)).unsqueeze(-1)
-        return x.view(B, T, kvh, D)
-
-    k, v = dense(k_cache, k_scale), dense(v_cache, v_scale)
+    T = (slots.stop - slots.start) if isinstance(slots, slice) else slots.numel() // B
+    k, v = _gather_dense(k_cache, k_scale, slots, B, T), _gather_dense(v_cache, v_scale, slots, B, T)
     qf = q.float()
     G = H // kvh
     if B == 1 and mask is None:  # [kvh, G, D] @ [kvh, D, T]
@@ -153,6 +159,45 @@ def paged_attention_decode_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_ca
     if mask is not None:
         scores = scores + mask
     return torch.matmul(torch.softmax(scores, dim=-1), v.transpose(1, 2)).reshape(B, H, D).to(q.dtype)
+
+
+def extend_slots(block_tables: list[list[int]], starts: list[int], query_lens: list[int], block_size: int,
+                 group: int, device: torch.device) -> tuple[Union[torch.Tensor, slice], torch.Tensor]:
+    """Per extend step (several new tokens per sequence over its cached prefix: speculative
+    verification, a draft catching up), for all layers: (slots, mask).
+
+    Sequence b has ``query_lens[b]`` new tokens at positions ``starts[b]`` onwards, their K/V written
+    to the cache before attention, so it attends over T_b = starts[b] + query_lens[b] cached tokens.
+    Queries are laid out [B, Q] with Q = max(query_lens) (rows past a sequence's count are padding).
+    slots: as :func:`decode_slots` for the lengths T_b. mask: [B, 1, Q * group, T] additive fp32,
+    row ``j * group + g`` (query j, head g of a KV group) open up to position starts[b] + j (causal);
+    a padding row sees the whole sequence, so that no row is all -inf."""
+    lens = [s + n for s, n in zip(starts, query_lens)]
+    slots, _ = decode_slots(block_tables, lens, block_size, device)
+    T, Q = max(lens), max(query_lens)
+    last = torch.tensor([[min(s + j, s + n - 1) if j < n else s + n - 1 for j in range(Q)]
+                         for s, n in zip(starts, query_lens)], device=device)  # [B, Q] last visible position
+    closed = torch.arange(T, device=device)[None, None, :] > last[:, :, None]  # [B, Q, T]
+    mask = torch.zeros(closed.shape, dtype=torch.float32, device=device).masked_fill_(closed, float("-inf"))
+    return slots, mask.repeat_interleave(group, dim=1)[:, None]
+
+
+def paged_attention_extend_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                    slots: Union[torch.Tensor, slice], mask: torch.Tensor, scale: float,
+                                    k_scale: Optional[torch.Tensor] = None,
+                                    v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q [B, Q, H, D] (Q new tokens per sequence) -> out [B, Q, H, D] in q's dtype, over the tokens
+    ``slots`` with the causal ``mask`` of :func:`extend_slots`; fp32 like the decode path. The Q
+    queries of a KV group are rows of one matmul: [B, kvh, Q * G, D] @ [B, kvh, D, T]."""
+    B, Q, H, D = q.shape
+    kvh = k_cache.shape[2]
+    G = H // kvh
+    T = (slots.stop - slots.start) if isinstance(slots, slice) else slots.numel() // B
+    k, v = _gather_dense(k_cache, k_scale, slots, B, T), _gather_dense(v_cache, v_scale, slots, B, T)
+    qf = q.float().reshape(B, Q, kvh, G, D).permute(0, 2, 1, 3, 4).reshape(B, kvh, Q * G, D)
+    scores = torch.matmul(qf, k.permute(0, 2, 3, 1)).mul_(scale).add_(mask)  # [B, kvh, Q * G, T]
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.transpose(1, 2))  # [B, kvh, Q * G, D]
+    return out.view(B, kvh, Q, G, D).permute(0, 2, 1, 3, 4).reshape(B, Q, H, D).to(q.dtype)
 
 
 if HAS_TRITON:

@@ -154,3 +154,18 @@ def baseline_logits(load: Callable[[], nn.Module], folder: Optional[Path], windo
     del model
     return BaselineLogits(lambda start, ids: F.linear(states[start:start + ids.shape[0]].to(weight.device), weight, bias),
                           "miss")
+
+
+@torch.no_grad()
+def in_memory_baseline(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> BaselineLogits:
+    """The baseline's side held in memory instead of on disk (tests and in-process comparisons that
+    score many fake-quantized copies of one model): its head inputs once, its head weight copied."""
+    head = _plain_head(model)
+    states = _head_inputs(model, head, windows, batch_size, False) if head is not None else None
+    if states is None:
+        raise QuantkitError("the baseline's logits are not a plain linear head of its last hidden state; "
+                            "score it live with baseline_logits(..., cache_dir=None)")
+    weight = head.weight.detach().clone()
+    bias = None if head.bias is None else head.bias.detach().clone()
+    return BaselineLogits(lambda start, ids: F.linear(states[start:start + ids.shape[0]].to(weight.device), weight, bias),
+                          "memory")

@@ -155,6 +155,24 @@ def eval_cmd(model, baseline, dataset, seq_len, max_windows, backend, dtype, dev
     _emit(r, as_json, human)
 
 
+def _speculative_options(command):
+    """--draft, --num-speculative-tokens, --draft-dtype and the LM-head options, shared by generate and bench."""
+    for option in reversed([
+        click.option("--draft", default=None,
+                     help="Speculative decoding: a draft model with the target's tokenizer (quantized checkpoint, "
+                          "smaller HF folder, demo) or 'ngram' (prompt lookup, no model)."),
+        click.option("--num-speculative-tokens", type=click.IntRange(min=1), default=4, show_default=True,
+                     help="Draft tokens verified per step (with --draft)."),
+        click.option("--draft-dtype", default=None, help="Activation dtype of the draft model (default: its own)."),
+        click.option("--lm-head-quant", type=click.Choice(["int8", "int4"]), default=None,
+                     help="Decode through an RTN copy of the LM head only (the embedding is untouched; changes logits)."),
+        click.option("--draft-lm-head-quant", type=click.Choice(["int8", "int4"]), default=None,
+                     help="The same for the draft model (a cheaper draft step)."),
+    ]):
+        command = option(command)
+    return command
+
+
 @cli.command()
 @click.option("--model", default="demo", show_default=True, help="Quantized checkpoint, HF folder, or 'demo'.")
 @click.option("--prompt", required=True)
@@ -169,9 +187,10 @@ def eval_cmd(model, baseline, dataset, seq_len, max_windows, backend, dtype, dev
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--dtype", default=None)
 @click.option("--device", default=None)
+@_speculative_options
 @click.option("--json", "as_json", is_flag=True)
 def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, seed, backend, kv_cache_dtype, block_size,
-             dtype, device, as_json):
+             dtype, device, draft, num_speculative_tokens, draft_dtype, lm_head_quant, draft_lm_head_quant, as_json):
     """Generate text through the paged-KV engine, streaming tokens as they come."""
     from quantkit.engine.api import generate_text
 
@@ -179,7 +198,9 @@ def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, see
     stream = None if as_json else (lambda piece: click.echo(piece, nl=False))
     r = generate_text(model, prompt, max_new_tokens=max_new_tokens, chat=chat, temperature=temperature, top_p=top_p,
                       top_k=top_k, seed=seed, stream=stream, backend=backend, kv_cache_dtype=kv_cache_dtype,
-                      block_size=block_size, dtype=dtype, device=device)
+                      block_size=block_size, dtype=dtype, device=device, draft=draft,
+                      num_speculative_tokens=num_speculative_tokens, draft_dtype=draft_dtype, lm_head_quant=lm_head_quant,
+                      draft_lm_head_quant=draft_lm_head_quant)
     if as_json:
         click.echo(json.dumps(r, default=str))
     else:
@@ -188,7 +209,8 @@ def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, see
 
 @cli.command()
 @click.option("--model", default="demo", show_default=True, help="Quantized checkpoint, HF folder, or 'demo'.")
-@click.option("--batch", type=int, default=8, show_default=True)
+@click.option("--batch-size", "batch", type=int, default=8, show_default=True,
+              help="Prompts run together (continuous batching), as --batch-size counts sequences everywhere.")
 @click.option("--input-len", type=int, default=128, show_default=True)
 @click.option("--output-len", type=int, default=128, show_default=True)
 @click.option("--kv-cache-dtype", default="auto", show_default=True, help="auto (model dtype), int8 or fp8.")
@@ -197,18 +219,24 @@ def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, see
 @click.option("--backend", default="auto", show_default=True)
 @click.option("--dtype", default=None)
 @click.option("--device", default=None)
+@_speculative_options
 @click.option("--json", "as_json", is_flag=True)
-def bench(model, batch, input_len, output_len, kv_cache_dtype, block_size, kv_cache_memory, backend, dtype, device, as_json):
+def bench(model, batch, input_len, output_len, kv_cache_dtype, block_size, kv_cache_memory, backend, dtype, device, draft,
+          num_speculative_tokens, draft_dtype, lm_head_quant, draft_lm_head_quant, as_json):
     """TTFT, TPOT, tokens/s and KV-cache use of a batch run with continuous batching."""
     from quantkit.engine.api import run_bench
 
     _quiet_libraries()
     memory = int(kv_cache_memory) if kv_cache_memory is not None and str(kv_cache_memory).isdigit() else kv_cache_memory
     r = run_bench(model, batch=batch, input_len=input_len, output_len=output_len, kv_cache_dtype=kv_cache_dtype,
-                  block_size=block_size, kv_cache_memory=memory, backend=backend, device=device, dtype=dtype)
+                  block_size=block_size, kv_cache_memory=memory, backend=backend, device=device, dtype=dtype,
+                  draft=draft, num_speculative_tokens=num_speculative_tokens, draft_dtype=draft_dtype,
+                  lm_head_quant=lm_head_quant, draft_lm_head_quant=draft_lm_head_quant)
     human = (f"ttft {r['ttft_ms']:.1f} ms, tpot {r['tpot_ms']:.1f} ms, {r['tokens_per_s']:.1f} tokens/s; "
              f"KV blocks {r['kv_blocks_used']}/{r['kv_blocks_total']} ({r['kv_bytes_per_block']} B each), "
              f"prefix hit rate {r['prefix_hit_rate']:.2f}")
+    if r.get("acceptance_rate") is not None:
+        human += f"; draft acceptance {r['acceptance_rate']:.2f}, {r['mean_accepted_tokens']:.2f} accepted per step"
     _emit(r, as_json, human)
 
 

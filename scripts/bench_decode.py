@@ -16,6 +16,16 @@ Decode tokens/s excludes the prefill: for transformers it is ``(N - 1) / (t(N) -
 ``generate`` calls, N and 1 new tokens), for the engine the time of its decode steps. Ratios
 are printed against both transformers rows.
 
+``--lm-head-quant int8,int4`` adds rows for the int4 checkpoint (bf16 activations) decoding through
+an RTN copy of the LM head only (``LLMEngine(lm_head_quant=...)``, the tied embedding untouched) and
+prints what that costs in quality on held-out Lee text through the fp32 demo model: top-1 agreement
+and mean KL(full head || quantized head) of the next-token distributions.
+
+``--llamacpp-python PY`` (a Python with llama-cpp-python, e.g. its own venv; or the environment
+variable QUANTKIT_LLAMACPP_PYTHON) adds llama.cpp on the demo's own Q4_1 GGUF as a row, measured in
+the same rounds with the same prompt tokens, threads and new tokens, prefill excluded
+(``scripts/llamacpp_decode.py``).
+
 Then batch 16: the int4 model through the engine with 16 different random prompts submitted at
 once (continuous batching) against the same 16 prompts run one after another (prefix caching off
 for both); output tokens/s of each and the ratio. "identical outputs" counts requests whose greedy
@@ -32,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -110,6 +121,38 @@ def batch_vs_sequential(engine, prompts: list[list[int]], n: int) -> dict:
             "kv_blocks_total": m["kv_blocks_total"]}
 
 
+def llamacpp_decode(python: str, prompt: list[int], n: int, threads: int) -> dict:
+    """One llama.cpp decode run (scripts/llamacpp_decode.py in `python`'s environment) on the demo GGUF."""
+    import subprocess
+
+    from quantkit.assets import demo_gguf_path
+
+    req = {"gguf": str(demo_gguf_path()), "prompt_ids": prompt, "new_tokens": n, "threads": threads, "repeats": 1}
+    out = subprocess.run([python, str(Path(__file__).with_name("llamacpp_decode.py"))], input=json.dumps(req),
+                         capture_output=True, text=True, check=True, timeout=1800)
+    rate = json.loads(out.stdout)["decode_tokens_per_s"][0]
+    return {"decode_tokens_per_s": rate, "tokens_per_s": rate}
+
+
+def head_quality(model, tok, modes: list[str], tokens: int = 512) -> dict:
+    """Top-1 agreement and mean KL(full || quantized) of next-token distributions with the LM head
+    quantized alone, on held-out Lee text (one window of `tokens`) through the engine's prefill."""
+    import torch
+
+    from quantkit.data import eval_token_stream
+    from quantkit.engine import engine_logits_fn
+
+    x = eval_token_stream("lee", tok)[:tokens][None]
+    full = engine_logits_fn(model, block_size=16)(x)[0].float().log_softmax(-1)
+    out = {}
+    for mode in modes:
+        quant = engine_logits_fn(model, block_size=16, lm_head_quant=mode)(x)[0].float().log_softmax(-1)
+        kl = torch.nn.functional.kl_div(quant, full, log_target=True, reduction="none").sum(-1)
+        out[mode] = {"top1_agreement": float((quant.argmax(-1) == full.argmax(-1)).float().mean()),
+                     "mean_kl": float(kl.mean()), "tokens": int(x.shape[1])}
+    return out
+
+
 def ensure_checkpoint(bits: int, workdir: Path) -> Path:
     import quantkit
 
@@ -134,6 +177,10 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=None, help="folder for the int4/int8 checkpoints (reused when present)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--rows", default=None, help="regex: time only the rows whose name matches (e.g. 'engine')")
+    ap.add_argument("--lm-head-quant", default="", help="comma list of int8, int4: rows with the LM head quantized")
+    ap.add_argument("--llamacpp-python", default=os.environ.get("QUANTKIT_LLAMACPP_PYTHON"),
+                    help="a Python with llama-cpp-python: adds llama.cpp on the demo GGUF as a row")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
@@ -202,7 +249,18 @@ def main(argv=None) -> int:
         keep.append(model)
         if bits == 4 and act_dtype is None:
             batch_model = (name, model)
+        for mode in [m for m in args.lm_head_quant.split(",") if m] if (bits, act_dtype) == (4, "bfloat16") else []:
+            measures[f"{name[:-1]}, {mode} head)"] = \
+                lambda e=LLMEngine(model, tok, num_kv_blocks=blocks, max_num_seqs=1, enable_prefix_caching=False,
+                                   lm_head_quant=mode): engine_decode(e, prompt, N)
+    if args.llamacpp_python:
+        measures["llama.cpp (demo Q4_1 GGUF)"] = lambda: llamacpp_decode(args.llamacpp_python, prompt, N,
+                                                                          torch.get_num_threads())
 
+    if args.rows:
+        import re
+
+        measures = {name: m for name, m in measures.items() if re.search(args.rows, name)}
     # rounds: every row once per round, so a slow spell of this machine hits all rows alike
     runs: dict[str, list[dict]] = {name: [] for name in measures}
     for r in range(args.repeats):
@@ -225,6 +283,9 @@ def main(argv=None) -> int:
         rows[name] = {**by_rate[(len(by_rate) - 1) // 2],  # the median run (the lower middle of an even count)
                       "decode_tokens_per_s_runs": [x["decode_tokens_per_s"] for x in runs[name]]}
 
+    modes = [m for m in args.lm_head_quant.split(",") if m]
+    if modes:
+        extra["lm_head_quality"] = head_quality(keep[0], tok, modes)
     if batch_model is not None and B > 1:
         name, model = batch_model
         g = torch.Generator().manual_seed(0)
@@ -245,21 +306,31 @@ def main(argv=None) -> int:
           f"threads {torch.get_num_threads()}, "
           f"prompt {P} tokens, {N} new tokens, batch 1, "
           + ("one run each" if args.repeats == 1 else f"median of {args.repeats} interleaved rounds"))
-    print(f"{'':46s} {'decode tok/s':>12s} {'e2e tok/s':>10s} {'vs HF fp32':>11s} {'vs HF bf16':>11s}")
+    print(f"{'':56s} {'decode tok/s':>12s} {'e2e tok/s':>10s} {'vs HF fp32':>11s} {'vs HF bf16':>11s}")
     for name, r in rows.items():
         if "error" in r:
-            print(f"{name:46s} failed: {r['error'][:80]}")
+            print(f"{name:56s} failed: {r['error'][:80]}")
             continue
         d = r["decode_tokens_per_s"]
         ratio = lambda b: f"{d / b:10.2f}x" if b else f"{'-':>11s}"  # noqa: E731
-        print(f"{name:46s} {d:12.1f} {r['tokens_per_s']:10.1f} {ratio(base32)} {ratio(base16)}")
+        print(f"{name:56s} {d:12.1f} {r['tokens_per_s']:10.1f} {ratio(base32)} {ratio(base16)}")
     hf32 = rows.get("transformers generate float32", {}).get("decode_tokens_per_s_runs")
     if args.repeats > 1 and hf32:
         print("\nper round, against transformers fp32 of the same round:")
         for name, r in rows.items():
             if "error" not in r and name != "transformers generate float32":
                 ratios = [a / b for a, b in zip(r["decode_tokens_per_s_runs"], hf32)]
-                print(f"{name:46s} " + " ".join(f"{x:5.2f}x" for x in ratios))
+                print(f"{name:56s} " + " ".join(f"{x:5.2f}x" for x in ratios))
+    for mode, q in extra.get("lm_head_quality", {}).items():
+        print(f"LM head {mode} alone (fp32 demo, {q['tokens']} held-out Lee tokens): top-1 agreement "
+              f"{q['top1_agreement']:.4f}, mean KL {q['mean_kl']:.5f} nats")
+    llama = rows.get("llama.cpp (demo Q4_1 GGUF)", {}).get("decode_tokens_per_s_runs")
+    if llama:
+        print("\nper round, against llama.cpp of the same round:")
+        for name, r in rows.items():
+            if "error" not in r and name.startswith("engine int4"):
+                ratios = [a / b for a, b in zip(r["decode_tokens_per_s_runs"], llama)]
+                print(f"{name:56s} " + " ".join(f"{x:5.2f}x" for x in ratios))
     if "batch" in extra:
         b = extra["batch"]
         if "error" in b:

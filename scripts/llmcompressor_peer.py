@@ -9,36 +9,42 @@ measure peak RSS alike), and llm-compressor is never a dependency of quantkit. T
 come from a safetensors file that bench_quantize.py writes with quantkit's own data pipeline
 (key "input_ids", int64 [num_samples, seq_len]), so both tools calibrate on exactly the same tokens.
 
-Schemes (matching quantkit's method defaults):
-  gptq         GPTQModifier, int W{bits} symmetric group, actorder off, dampening 0.01, block 128
-  awq          AWQModifier (duo scaling) + QuantizationModifier, int W{bits} asymmetric group
-  rtn          QuantizationModifier, int W{bits} symmetric group
+Schemes (matching quantkit's method defaults unless a flag says otherwise):
+  gptq         GPTQModifier, int W{bits} group, dampening 0.01, block 128; act-order per --actorder:
+               "none" (this script's default, matching quantkit's default GPTQ), "default" (leave it to
+               llm-compressor: its GPTQModifier defaults to "static", alias "weight"), or "static"/"weight"
+  awq          AWQModifier (duo scaling, n_grid 20; llm-compressor's AWQ has no clipping search)
+               + QuantizationModifier, int W{bits} group, asymmetric unless --sym
+  rtn          QuantizationModifier, int W{bits} group (memoryless min-max observer), symmetric unless --asym
   smoothquant  SmoothQuantModifier(0.5) + QuantizationModifier W8A8: int8 symmetric per-channel
                weights, int8 dynamic per-token symmetric activations
 
 The checkpoint is saved with save_compressed=True (compressed-tensors pack-quantized for W4A16,
-int-quantized for W8A8). The last stdout line is one JSON object; "seconds" is the oneshot call only.
+int-quantized for W8A8). The last stdout line is one JSON object; "seconds" is the oneshot call only,
+"scheme" is read back from the saved config.json (what the checkpoint actually declares).
+
+The model is loaded in float32, so the observers see fp32 weights and the saved weight_scale is fp32.
+
+Creating the venv (its pins clash with quantkit's: never install llm-compressor into quantkit's venv);
+/etc/xdg/pip/constraints.txt caps torch at 2.14.1, so torch 2.13.0 comes from the local CPU wheel:
+    python3 -m venv /work/peer-venv
+    /work/peer-venv/bin/pip install --upgrade pip
+    /work/peer-venv/bin/pip install torch==2.13.0
+    /work/peer-venv/bin/pip install llmcompressor==0.14.0.1 torch==2.13.0
+  (brings compressed-tensors 0.19.0, transformers 5.17.0, accelerate 1.15.0, datasets 5.2.0)
+
+    /work/peer-venv/bin/python scripts/llmcompressor_peer.py --method gptq --actorder default \
+        --model ~/.cache/quantkit/smollm2-135m-instruct --calib-ids calib_ids.safetensors \
+        --output /work/peer-out/llmcompressor-gptq-w4g64-sym-actstatic
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import time
 from pathlib import Path
 
-
-def _load_peak_rss_mb():
-    """quantkit/memory.py's reader, loaded by path (stdlib only; the quantkit package is not imported),
-    so both tools' peak RSS is measured the same way (VmHWM, not a vforked child's ru_maxrss)."""
-    path = Path(__file__).resolve().parent.parent / "quantkit" / "memory.py"
-    spec = importlib.util.spec_from_file_location("_quantkit_memory", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.peak_rss_mb
-
-
-peak_rss_mb = _load_peak_rss_mb()
+from peer_common import load_calibration_ids, peak_rss_mb
 
 
 def weight_args(bits: int, group_size: int, symmetric: bool) -> dict:
@@ -50,24 +56,32 @@ def weight_args(bits: int, group_size: int, symmetric: bool) -> dict:
     return args
 
 
-def build_recipe(method: str, bits: int, group_size: int):
+ACTORDER_CHOICES = ("default", "none", "static", "weight")
+
+
+def build_recipe(method: str, bits: int, group_size: int, symmetric: bool, actorder: str = "none"):
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     ignore = ["lm_head"]
     if method == "gptq":
         from llmcompressor.modifiers.gptq import GPTQModifier
 
-        groups = {"group_0": {"targets": ["Linear"], "weights": {**weight_args(bits, group_size, True), "actorder": None}}}
-        return [GPTQModifier(config_groups=groups, ignore=ignore, actorder=None, dampening_frac=0.01, block_size=128)]
+        weights = weight_args(bits, group_size, symmetric)
+        extra = {}
+        if actorder != "default":  # "default": neither the scheme nor the modifier names one
+            weights["actorder"] = None if actorder == "none" else actorder
+            extra["actorder"] = weights["actorder"]
+        groups = {"group_0": {"targets": ["Linear"], "weights": weights}}
+        return [GPTQModifier(config_groups=groups, ignore=ignore, dampening_frac=0.01, block_size=128, **extra)]
     if method == "awq":
         from llmcompressor.modifiers.transform import AWQModifier
 
-        groups = {"group_0": {"targets": ["Linear"], "weights": weight_args(bits, group_size, False)}}
+        groups = {"group_0": {"targets": ["Linear"], "weights": weight_args(bits, group_size, symmetric)}}
         # offload_device=None: keep cached layer inputs where they are (CPU); nothing to offload to
         return [AWQModifier(duo_scaling=True, n_grid=20, offload_device=None),
                 QuantizationModifier(config_groups=groups, ignore=ignore)]
     if method == "rtn":
-        groups = {"group_0": {"targets": ["Linear"], "weights": weight_args(bits, group_size, True)}}
+        groups = {"group_0": {"targets": ["Linear"], "weights": weight_args(bits, group_size, symmetric)}}
         return [QuantizationModifier(config_groups=groups, ignore=ignore)]
     if method == "smoothquant":
         from llmcompressor.modifiers.transform import SmoothQuantModifier
@@ -77,6 +91,20 @@ def build_recipe(method: str, bits: int, group_size: int):
                                                     "strategy": "token", "dynamic": True}}}
         return [SmoothQuantModifier(smoothing_strength=0.5), QuantizationModifier(config_groups=groups, ignore=ignore)]
     raise SystemExit(f"unknown method {method!r}")
+
+
+def saved_scheme(folder: Path) -> dict:
+    """The weight scheme the saved checkpoint declares (config.json quantization_config), one entry
+    per config group, so a benchmark row states what was run rather than what was asked for."""
+    qc = json.loads((folder / "config.json").read_text()).get("quantization_config", {})
+    keys = ("num_bits", "type", "symmetric", "strategy", "group_size", "actorder", "observer", "dynamic")
+    groups = {}
+    for name, group in qc.get("config_groups", {}).items():
+        w = group.get("weights") or {}
+        groups[name] = {k: w.get(k) for k in keys}
+        if group.get("input_activations"):
+            groups[name]["input_activations"] = group["input_activations"]
+    return {"format": qc.get("format"), "ignore": qc.get("ignore"), "config_groups": groups}
 
 
 def disable_pinning_without_accelerator() -> list[str]:
@@ -101,20 +129,28 @@ def main() -> None:
     ap.add_argument("--calib-ids", required=True, help='safetensors file with "input_ids" int64 [num_samples, seq_len]')
     ap.add_argument("--output", required=True)
     ap.add_argument("--batch-size", type=int, default=1, help="oneshot calibration batch size (llm-compressor's default 1)")
+    ap.add_argument("--actorder", choices=ACTORDER_CHOICES, default="none",
+                    help='gptq only: "default" leaves it to llm-compressor (static); default here: none')
+    sym = ap.add_mutually_exclusive_group()
+    sym.add_argument("--sym", dest="sym", action="store_true", default=None, help="symmetric weights")
+    sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric weights (zero point)")
     args = ap.parse_args()
+    if args.sym is None:
+        args.sym = args.method != "awq"
+    if args.method == "smoothquant" and not args.sym:
+        raise SystemExit("--asym: smoothquant's W8A8 scheme here is symmetric only")
+    if args.actorder != "none" and args.method != "gptq":
+        raise SystemExit(f"--actorder applies to --method gptq only, not {args.method}")
 
     import torch
     from datasets import Dataset
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import llmcompressor
     from llmcompressor import oneshot
 
     t_total = time.perf_counter()
-    ids = load_file(args.calib_ids)["input_ids"].to(torch.int64)
-    if ids.dim() != 2:
-        raise SystemExit(f"{args.calib_ids}: input_ids must be [num_samples, seq_len], got {tuple(ids.shape)}")
+    ids = load_calibration_ids(args.calib_ids)
     num_samples, seq_len = ids.shape
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
 
@@ -123,7 +159,7 @@ def main() -> None:
     model.eval()
     workarounds = disable_pinning_without_accelerator() if args.method == "awq" else []
 
-    recipe = build_recipe(args.method, args.bits, args.group_size)
+    recipe = build_recipe(args.method, args.bits, args.group_size, args.sym, args.actorder)
     t0 = time.perf_counter()
     oneshot(model=model, tokenizer=tokenizer, recipe=recipe, dataset=ds, num_calibration_samples=num_samples,
             max_seq_length=seq_len, batch_size=args.batch_size, shuffle_calibration_samples=False)
@@ -135,8 +171,9 @@ def main() -> None:
     tokenizer.save_pretrained(out)
     print(json.dumps({"seconds": round(seconds, 2), "total_seconds": round(time.perf_counter() - t_total, 2),
                       "peak_rss_mb": round(peak_rss_mb(), 1), "llmcompressor_version": llmcompressor.__version__,
-                      "method": args.method, "num_samples": num_samples, "seq_len": seq_len,
-                      "workarounds": workarounds}))
+                      "method": args.method, "actorder_flag": args.actorder if args.method == "gptq" else None,
+                      "scheme": saved_scheme(out), "num_samples": num_samples, "seq_len": seq_len,
+                      "model_dtype": "float32", "workarounds": workarounds}))
 
 
 if __name__ == "__main__":

@@ -71,4 +71,4 @@ def upcycled_mixtral(folder: Path, *, dense: Path, experts: int = 8, top_k: int 
             layer.mlp.gate.weight.normal_(0.0, router_std)
     expected = {k for k in missing if ".mlp." in k} | ({"lm_head.weight"} if c.tie_word_embeddings else set())
     assert missing <= expected, sorted(missing - expected)[:3]
-    return _save(moe, Path(folder), dense)
+    return _save(moe.to(torch.bfloat16), Path(folder), dense)  # the demo model's own storage dtype

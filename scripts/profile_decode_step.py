@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     prompt = torch.randint(100, 1000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     engine.generate([prompt[:8]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
-    print(f"{args.model} ({next(iter(runner.plans)).in_norm.dtype}, {runner.num_layers} layers, device {runner.device}, "
+    print(f"{args.model} ({runner.dtype}, {runner.num_layers} layers, device {runner.device}, "
           f"{torch.get_num_threads()} threads): ms per decode step", file=sys.stderr)
     for _ in range(args.runs):
         for key in totals:

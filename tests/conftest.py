@@ -17,6 +17,16 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small matmuls on a shared 2-core box: one thread avoids spin-wait contention (5x faster here).
+    Modules of tiny-model tests use it (``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def demo_dir() -> Path:
     from quantkit.assets import demo_model_dir
@@ -44,14 +54,26 @@ class DemoBench:
 
         return perplexity(model, self.held_out, seq_len=512, max_windows=self.WINDOWS)["perplexity"]
 
+    def kl(self, model) -> float:
+        """Mean KL divergence of `model`'s next-token distribution from the original's, per token,
+        on the same held-out windows (the original's side computed once, in memory)."""
+        from quantkit.baseline_cache import in_memory_baseline
+        from quantkit.scoring import compare, logits_of, windows_of
+
+        windows = windows_of(self.held_out, 512, self.WINDOWS)
+        if "baseline" not in self._cache:
+            self._cache["baseline"] = in_memory_baseline(self.model, windows)
+        return compare(logits_of(model), self._cache["baseline"], windows)["kl_mean"]
+
     def original(self) -> float:
         if "original" not in self._cache:
             self._cache["original"] = self.perplexity(self.model)
         return self._cache["original"]
 
     def quantized(self, quantizer, *, bits: int, group_size: int, sym: bool, samples: int, seq_len: int,
-                  key=None) -> float:
-        """Held-out perplexity of a fake-quantized copy; calibration from the Lee split, seed 0."""
+                  key=None, measure: str = "perplexity", seed: int = 0) -> float:
+        """Held-out perplexity (or with measure="kl", mean KL to the original) of a fake-quantized copy;
+        calibration from the Lee split."""
         import copy
 
         from quantkit import data
@@ -64,9 +86,9 @@ class DemoBench:
             return self._cache[key]
         m = copy.deepcopy(self.model)
         schemes = QuantScheme(bits=bits, group_size=group_size, sym=sym).resolve(linear_shapes(m))
-        ids = data.calibration_batches("lee", self.tok, num_samples=samples, seq_len=seq_len, seed=0)
+        ids = data.calibration_batches("lee", self.tok, num_samples=samples, seq_len=seq_len, seed=seed)
         quantize_model(m, get_adapter(m), quantizer, schemes, ids, progress=False)
-        ppl = self.perplexity(m)
+        ppl = self.kl(m) if measure == "kl" else self.perplexity(m)
         del m
         if key is not None:
             self._cache[key] = ppl

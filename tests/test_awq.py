@@ -257,6 +257,9 @@ def test_clip_ratio_is_grid_argmin(sym):
             cols = slice(g * 32, (g + 1) * 32)
             wg = w[row:row + 1, cols]
             lo, hi = min(wg.min().item(), 0.0), max(wg.max().item(), 0.0)
+            if sym:  # a symmetric grid's range is +-absmax: only that shrinks
+                hi = max(-lo, hi)
+                lo = -hi
             errs = []
             for r in grid:
                 q = plain_fake_quant(wg.clamp(lo * r, hi * r), 4, 32, sym)
@@ -385,3 +388,37 @@ def test_format_refuses_scheme_before_calibration(tmp_path, tiny_llama_dir, monk
         quantkit.quantize(str(tiny_llama_dir), "gptq", group_size=32, format="compressed-tensors",
                           options={"desc_act": True, "static_groups": False}, output=tmp_path / "y", progress=False)
     assert not list(tmp_path.iterdir())
+
+
+def test_symmetric_clip_shrinks_only_the_absmax_side():
+    """A symmetric grid's scale comes from the group's absmax alone: clipping clamps to +-r*absmax,
+    leaving the other side as it is unless it reaches beyond that."""
+    from quantkit.quantizers.awq import clip_weight
+
+    w = torch.tensor([[-4.0, -1.0, 0.5, 2.0], [3.0, 1.0, -2.5, 0.1]])
+    ratios = torch.tensor([[0.5], [0.9]])
+    torch.testing.assert_close(clip_weight(w, ratios, -1, sym=True),
+                               torch.tensor([[-2.0, -1.0, 0.5, 2.0], [2.7, 1.0, -2.5, 0.1]]))
+    # the asymmetric grid's range is [min, max]: each side shrinks by r
+    torch.testing.assert_close(clip_weight(w, ratios, -1, sym=False),
+                               torch.tensor([[-2.0, -1.0, 0.5, 1.0], [2.7, 1.0, -2.25, 0.1]]))
+
+
+def test_full_grid_also_tries_no_scaling_and_alpha_one(tiny_llama_dir):
+    import transformers
+
+    from quantkit.api import linear_shapes
+    from quantkit.models import get_adapter
+    from quantkit.scheme import QuantScheme
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    schemes = QuantScheme(bits=4, group_size=32, sym=True).resolve(linear_shapes(model))
+    awq = AWQTransform(clip=False, n_grid=4, full_grid=True)
+    quantize_model(model, get_adapter(model), awq, schemes, torch.randint(0, 1000, (2, 16)), batch_size=2,
+                   progress=False)
+    for group in awq.search_log[0]["groups"]:
+        assert len(group["losses"]) == 6  # no scaling, then alpha 0, 1/4, 2/4, 3/4, 1
+        best = min(range(6), key=lambda i: group["losses"][i])
+        assert group["alpha"] == [None, 0.0, 0.25, 0.5, 0.75, 1.0][best]
+        if group["alpha"] is None:
+            assert torch.equal(group["scales"], torch.ones_like(group["scales"]))

@@ -23,26 +23,12 @@ from quantkit.engine.scheduler import Scheduler
 from quantkit.engine.sequence import Sequence, SequenceStatus
 from quantkit.errors import QuantkitError
 from quantkit.kernels import paged_attention as pa
+from quantkit.kernels import triton_support
+from tiny_models import assert_pool_full, greedy, hf_greedy, tiny_model
+from tiny_models import prompts as _prompts
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small matmuls on a shared 2-core box: one thread avoids spin-wait contention (5x faster here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def assert_pool_full(engine: LLMEngine) -> None:
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_used_blocks} KV blocks leaked"
-    assert all(b.ref_count == 0 for b in bm.blocks)
-    assert engine.is_finished()
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, **kw)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ====================================================================== block manager
@@ -137,6 +123,40 @@ def test_block_manager_decode_append_registers_full_blocks():
     full.allocate(s)
     s.append_token(5)
     assert not full.can_append(s)
+
+
+def test_block_manager_lookahead_rollback_and_hashing_several_blocks():
+    """Speculative steps reserve slots past the last token (may_append with a lookahead); after the
+    step the blocks past the committed tokens go back to the front of the free list (rollback), and
+    every block the accepted tokens filled is hashed, chained, so a later prompt hits them all."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = _seq([1, 2, 3])
+    bm.allocate(a)
+    a.append_token(4)
+    assert bm.can_append(a, 5) and not bm.can_append(a, 30)
+    bm.may_append(a, 5)  # the last token + 5 draft tokens: 9 slots, 3 blocks
+    assert len(a.block_table) == 3 and bm.blocks[a.block_table[0]].hash is not None
+    for t in (5, 6, 7, 8, 9):  # 5 tokens accepted: 9 committed, blocks 0 and 1 full
+        a.append_token(t)
+    bm.rollback(a)
+    assert len(a.block_table) == 3  # 9 tokens still need 3 blocks
+    a.append_token(10)
+    bm.may_append(a, 0)
+    assert bm.blocks[a.block_table[1]].hash is not None  # filled by accepted tokens, hashed on the next step
+    del a.token_ids[-2:]  # as if only 8 were committed: block 2 holds rejected tokens only
+    bm.rollback(a)
+    assert len(a.block_table) == 2 and next(iter(bm.free)) not in a.block_table  # front of the free list
+    b = _seq([1, 2, 3, 4, 5, 6, 7, 8, 0])
+    bm.allocate(b)
+    assert b.block_table[:2] == a.block_table and b.num_cached_tokens == 8
+    bm.deallocate(b)
+    bm.deallocate(a)
+    assert bm.num_free_blocks == 8
+    c = _seq([1, 2, 3, 4, 5])  # its first block is cached: rolling back into a hashed block is a bug
+    bm.allocate(c)
+    del c.token_ids[:]
+    with pytest.raises(RuntimeError, match="cached or shared"):
+        bm.rollback(c)
 
 
 # ====================================================================== scheduler (no model)
@@ -289,7 +309,7 @@ def test_layer_plan_calls_plain_linears_directly_but_keeps_hooked_ones_whole():
     (accelerate's offload moves weights in a pre-forward hook): then the module itself."""
     from torch import nn
 
-    from quantkit.engine.model_runner import matmul_fn
+    from quantkit.engine.decoder import matmul_fn
 
     lin = nn.Linear(8, 5)
     x = torch.randn(3, 8)
@@ -331,7 +351,7 @@ def test_sliced_linear_is_f_linear_bit_for_bit(out_features, in_features, bias, 
 def test_rms_norm_is_transformers_bit_for_bit():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from quantkit.engine.model_runner import rms_norm
+    from quantkit.models.norms import rms_norm
 
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -407,9 +427,9 @@ def _loop_attention(q, k, v, tables, lens, scale, ks=None, vs=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_paged_decode_triton_vs_reference(dtype):
-    if not pa.HAS_TRITON or not (pa.INTERPRET or torch.cuda.is_available()):
+    if not pa.HAS_TRITON or not (triton_support.INTERPRET or torch.cuda.is_available()):
         pytest.skip("triton interpreter not active")
-    dev = "cuda" if torch.cuda.is_available() and not pa.INTERPRET else "cpu"
+    dev = "cuda" if torch.cuda.is_available() and not triton_support.INTERPRET else "cpu"
     for group, head_dim, block_size, lens in [(3, 16, 4, (7, 1, 12, 4)), (1, 8, 8, (16, 9)), (4, 32, 2, (3, 5))]:
         q, k, v, tables, lens_t = _paged_case(dtype, group=group, head_dim=head_dim, block_size=block_size, lens=lens)
         scale = head_dim ** -0.5
@@ -470,9 +490,41 @@ def test_paged_decode_gathered_reads_one_run_of_blocks_as_a_view(dtype, kv):
     assert isinstance(pa.decode_slots([[2, 3], [4]], [8, 3], 4, q.device)[0], torch.Tensor)
 
 
+@pytest.mark.parametrize("kv", ["model", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_extend_gathered_vs_per_query_loop(dtype, kv):
+    """Several new tokens per sequence over its cached prefix (speculative verification): each
+    query attends causally (query j of a sequence whose T tokens end with Q new ones sees T - Q + j
+    + 1 of them). Against the per-head loop run once per query with that length, for sequences of
+    different query counts (padding rows), one sequence on a run of blocks (a slice), and GQA."""
+    for group, lens, query_lens in [(3, (7, 12, 4), (3, 1, 4)), (3, (10,), (5,)), (1, (9, 6), (2, 2))]:
+        q, k, v, tables, _ = _paged_case(dtype, group=group, head_dim=16, block_size=4, lens=lens)
+        ks = vs = None
+        if kv != "model":
+            (k, ks), (v, vs) = quantize_kv(k, torch.int8), quantize_kv(v, torch.int8)
+        Q, B, H = max(query_lens), len(lens), q.shape[1]
+        qq = torch.randn(B, Q, H, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+        rows = [t[t >= 0].tolist() for t in tables]
+        if B == 1:
+            rows = [list(range(3, 3 + len(rows[0])))]  # consecutive blocks: read as a view
+        starts = [n - m for n, m in zip(lens, query_lens)]
+        slots, mask = pa.extend_slots(rows, starts, list(query_lens), 4, group, q.device)
+        assert isinstance(slots, slice) == (B == 1)
+        out = pa.paged_attention_extend_gathered(qq, k, v, slots, mask, 16 ** -0.5, ks, vs)
+        assert out.shape == qq.shape and out.dtype == dtype
+        table_t = torch.tensor([r + [0] * (tables.shape[1] - len(r)) for r in rows], dtype=torch.int32)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+        for b in range(B):
+            for j in range(query_lens[b]):
+                want = _loop_attention(qq[b:b + 1, j], k, v, table_t[b:b + 1], torch.tensor([starts[b] + j + 1]),
+                                       16 ** -0.5, ks, vs)
+                torch.testing.assert_close(out[b, j].float(), want[0], atol=tol, rtol=tol)
+            assert torch.isfinite(out[b]).all()  # padding rows too
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
 def test_paged_decode_triton_quantized_cache(kv_dtype):
-    if not pa.HAS_TRITON or not (pa.INTERPRET or torch.cuda.is_available()):
+    if not pa.HAS_TRITON or not (triton_support.INTERPRET or torch.cuda.is_available()):
         pytest.skip("triton interpreter not active")
     q, k, v, tables, lens = _paged_case(torch.float32, lens=(9, 2, 6))
     kq, ks = quantize_kv(k, kv_dtype)
@@ -487,45 +539,16 @@ def test_paged_decode_triton_quantized_cache(kv_dtype):
 
 
 # ====================================================================== tiny models end to end
-def tiny_model(kind: str = "llama", **extra):
-    torch.manual_seed(0)
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, bos_token_id=1,
-                  eos_token_id=None, pad_token_id=0, initializer_range=0.1)
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[kind]
-    if kind == "qwen3":
-        common["head_dim"] = 24  # != hidden / heads, like real Qwen3
-    cfg = cls(**{**common, **extra})
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    if kind == "qwen2":  # random biases, so they matter
-        for layer in model.model.layers:
-            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(lin.bias, std=0.5)
-    if kind == "qwen3":
-        for layer in model.model.layers:
-            torch.nn.init.normal_(layer.self_attn.q_norm.weight, 1.0, 0.3)
-    return model
-
-
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    x = torch.tensor([ids])
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                         pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
-def _prompts(n, lengths, vocab=256, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths][:n]
-
-
 TINY = {
     "llama": {},
     "llama-llama3rope": {"rope_parameters": ROPES[2]},
     "mistral": {},
     "qwen2": {},
     "qwen3": {},
+    "phi3": {},
+    "phi3-partialrope": {"partial_rotary_factor": 0.5},
+    "opt": {},
+    "opt-postnorm-projected": {"do_layer_norm_before": False, "word_embed_proj_dim": 32},
 }
 
 
@@ -545,7 +568,7 @@ def test_tiny_models_greedy_match_transformers(name):
 
 
 def test_tiny_triton_decode_backend_and_preemption():
-    if not pa.HAS_TRITON or not pa.INTERPRET:
+    if not pa.HAS_TRITON or not triton_support.INTERPRET:
         pytest.skip("triton interpreter not active")
     model = tiny_model("llama", num_hidden_layers=1)
     prompts = _prompts(3, [6, 3, 9], seed=2)
@@ -590,6 +613,25 @@ def test_tiny_engine_logits_match_transformers(kv):
     assert_pool_full(fn.engine_state["engine"])
 
 
+@pytest.mark.parametrize("name", list(TINY))
+def test_every_family_prefill_and_decode_logits_match_transformers(name):
+    """The engine builds each family's model from its adapter: prefill logits at every position and
+    decode logits along a teacher-forced continuation (K/V read back from the paged cache) equal
+    transformers' forward."""
+    model = tiny_model(name.split("-")[0], **TINY[name])
+    x = torch.randint(3, 256, (2, 19), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(x).logits
+    fn = engine_logits_fn(model, block_size=4)
+    torch.testing.assert_close(fn(x), want, atol=1e-4, rtol=1e-4)
+    eng = LLMEngine(model, block_size=4, num_kv_blocks=12)
+    forced = x[0, 8:].tolist()
+    eng.sampler = _ForcingSampler(forced)
+    eng.generate([x[0, :8].tolist()], greedy(len(forced), ignore_eos=True))
+    torch.testing.assert_close(torch.stack(eng.sampler.logits), want[0, 7:-1], atol=1e-4, rtol=1e-4)
+    assert_pool_full(eng)
+
+
 def test_engine_rejects_bad_input():
     model = tiny_model("llama", num_hidden_layers=1)
     eng = LLMEngine(model, block_size=4, num_kv_blocks=3)
@@ -602,10 +644,10 @@ def test_engine_rejects_bad_input():
     with pytest.raises(QuantkitError, match="holds no block"):
         LLMEngine(model, kv_cache_memory="1KB")
     assert_pool_full(eng)
-    opt = transformers.AutoModelForCausalLM.from_config(transformers.OPTConfig(
-        hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=2, vocab_size=64, word_embed_proj_dim=32))
-    with pytest.raises(QuantkitError, match="Llama-family"):
-        LLMEngine(opt, num_kv_blocks=4)
+    gpt2 = transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(
+        n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    with pytest.raises(QuantkitError, match="unsupported architecture 'gpt2'"):
+        LLMEngine(gpt2, num_kv_blocks=4)
     windowed = LLMEngine(tiny_model("mistral", num_hidden_layers=1, sliding_window=16), num_kv_blocks=16)
     with pytest.raises(QuantkitError, match="sliding-window"):
         windowed.generate([[5] * 10], greedy(10))
@@ -860,3 +902,29 @@ def test_gpu_decode_benchmark_script_runs_its_steps_on_a_tiny_shape(tmp_path, mo
     rows = json.loads(out.read_text())["rows"]
     assert list(rows) == ["transformers generate float32", "engine float32 (unquantized)", "engine int4 rtn (backend cpu)"]
     assert all(r["decode_tokens_per_s"] > 0 for r in rows.values())
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_lm_head_quant_leaves_the_tied_embedding_and_equals_its_dequantized_head(mode):
+    """lm_head_quant runs the head through an RTN copy (per-row int8, or int4 in groups of 64 inputs)
+    and touches nothing else: with tied embeddings the embedding keeps its values, the decoder's
+    hidden states are unchanged, and the logits equal plain PyTorch's F.linear of transformers'
+    final hidden states with the RTN-dequantized head (within the kernels' bf16 rounding)."""
+    import torch.nn.functional as F
+
+    from quantkit.quantizers.grid import rtn_quantize
+
+    model = tiny_model("llama", tie_word_embeddings=True, hidden_size=128, intermediate_size=256)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    before = model.model.embed_tokens.weight.detach().clone()
+    x = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        hidden = model(x, output_hidden_states=True).hidden_states[-1]
+    bits, group = (8, -1) if mode == "int8" else (4, 64)
+    want = F.linear(hidden, rtn_quantize(before, bits, group, True).dequantize(torch.float32))
+    got = engine_logits_fn(model, block_size=4, lm_head_quant=mode)(x)
+    assert torch.equal(model.model.embed_tokens.weight, before)
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < 2 ** -7, err  # bf16 activations in the packed kernels
+    with pytest.raises(QuantkitError, match="lm_head_quant"):
+        LLMEngine(model, num_kv_blocks=4, lm_head_quant="int2")

@@ -5,7 +5,12 @@
 * :mod:`.scheduler` - continuous batching, prefill/decode steps, preemption by recomputation
 * :mod:`.kv_cache` - the pool tensors in the model dtype, int8 or fp8 (per-token-head scales)
 * :mod:`.rotary`, :mod:`.sampler` - rotary embeddings from the config; greedy/temperature/top-k/top-p
-* :mod:`.model_runner` - Llama-family forward over paged KV (Triton decode kernel on GPU)
+* :mod:`.decoder` - the model as plain callables, built from its family's adapter (``quantkit.models``):
+  Llama, Mistral, Qwen2, Qwen3, Phi-3, OPT
+* :mod:`.model_runner` - the forward over paged KV: prefill, decode (Triton kernel on GPU), extend
+* :mod:`.speculative`, :mod:`.proposers`, :mod:`.rejection_sampler` - speculative decoding: a draft
+  model or n-gram lookup proposes, the target verifies k tokens per step, rejection sampling keeps its
+  distribution
 * :mod:`.llm_engine` - :class:`LLMEngine` (``generate``, ``add_request``/``step``, metrics) and
   :func:`engine_logits_fn` for perplexity through the engine
 * :mod:`.api` - :func:`generate_text` and :func:`run_bench`, called by the CLI

@@ -22,6 +22,24 @@ def load_model_and_tokenizer(model_path: str, backend: str = "auto", device: Opt
     return model, load_tokenizer(str(model_path))
 
 
+def load_draft(draft, model_path: str, backend: str = "auto", device: Optional[str] = None,
+               dtype: Optional[str] = None) -> tuple[object, object]:
+    """(draft, its tokenizer) for ``LLMEngine(draft=...)``: ``"ngram"`` as it is, a path (or "demo")
+    loaded like the target; a draft equal to the target path is refused (it would accept every
+    token and only add its own cost)."""
+    if draft is None or (isinstance(draft, str) and draft.strip().lower() == "ngram"):
+        return draft, None
+    if not isinstance(draft, str):
+        return draft, None  # a loaded model or a proposer object
+    if draft == str(model_path):
+        raise QuantkitError("the draft is the target model itself; pass a smaller or quantized model, or ngram")
+    return load_model_and_tokenizer(draft, backend, device, dtype)
+
+
+SPECULATIVE_KEYS = ("acceptance_rate", "mean_accepted_tokens", "per_token_acceptance", "draft_tokens",
+                    "accepted_tokens", "speculative_steps")
+
+
 def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
     if not chat:
         return list(tokenizer(prompt)["input_ids"])
@@ -37,11 +55,17 @@ def generate_text(model_path: str, prompt: str, max_new_tokens: int = 64, chat: 
                   stream: Optional[Callable[[str], None]] = None, backend: str = "auto",
                   kv_cache_dtype: str = "auto", block_size: int = 16,
                   kv_cache_memory: Union[int, str, None] = None, device: Optional[str] = None,
-                  dtype: Optional[str] = None, ignore_eos: bool = False) -> dict:
+                  dtype: Optional[str] = None, ignore_eos: bool = False, draft=None, num_speculative_tokens: int = 4,
+                  draft_dtype: Optional[str] = None, lm_head_quant: Optional[str] = None,
+                  draft_lm_head_quant: Optional[str] = None) -> dict:
     """Generate from one prompt through the engine. ``stream(text_piece)`` is called as text becomes
     decodable (e.g. ``functools.partial(print, end="", flush=True)``). Returns dict(text, token_ids,
-    finish_reason, num_prompt_tokens, ttft_ms, tpot_ms, tokens_per_s)."""
+    finish_reason, num_prompt_tokens, ttft_ms, tpot_ms, tokens_per_s), and with a ``draft`` (a model
+    path, "demo", "ngram" or a loaded model: speculative decoding, ``num_speculative_tokens`` per
+    step) acceptance_rate, mean_accepted_tokens and the counts behind them. ``lm_head_quant`` /
+    ``draft_lm_head_quant``: see :class:`LLMEngine`."""
     model, tokenizer = load_model_and_tokenizer(model_path, backend, device, dtype)
+    draft, draft_tokenizer = load_draft(draft, model_path, backend, device, draft_dtype)
     ids = encode_prompt(tokenizer, prompt, chat)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_new_tokens, seed=seed,
                             ignore_eos=ignore_eos)
@@ -49,7 +73,9 @@ def generate_text(model_path: str, prompt: str, max_new_tokens: int = 64, chat: 
     if kv_cache_memory is None:  # one request: a pool of exactly its size
         kw["num_kv_blocks"] = math.ceil((len(ids) + max_new_tokens) / block_size)
     engine = LLMEngine(model, tokenizer, block_size=block_size, kv_cache_memory=kv_cache_memory,
-                       kv_cache_dtype=kv_cache_dtype, max_num_seqs=1, **kw)
+                       kv_cache_dtype=kv_cache_dtype, max_num_seqs=1, draft=draft,
+                       num_speculative_tokens=num_speculative_tokens, draft_tokenizer=draft_tokenizer,
+                       lm_head_quant=lm_head_quant, draft_lm_head_quant=draft_lm_head_quant, **kw)
     callback = (lambda _i, _tok, piece: stream(piece) if piece else None) if stream is not None else None
     t0 = time.perf_counter()
     out = engine.generate([ids], params, stream_callback=callback)[0]
@@ -58,7 +84,7 @@ def generate_text(model_path: str, prompt: str, max_new_tokens: int = 64, chat: 
     return {"text": out["text"], "token_ids": out["token_ids"], "finish_reason": out["finish_reason"],
             "num_prompt_tokens": len(ids), "ttft_ms": m["ttft_ms"], "tpot_ms": m["tpot_ms"],
             "tokens_per_s": round(len(out["token_ids"]) / wall, 2) if wall > 0 else None,
-            "kv_cache_dtype": m["kv_cache_dtype"]}
+            "kv_cache_dtype": m["kv_cache_dtype"], **{k: m[k] for k in SPECULATIVE_KEYS if k in m}}
 
 
 def random_prompts(vocab_size: int, batch: int, input_len: int, seed: int = 0, low: int = 100) -> list[list[int]]:
@@ -71,21 +97,30 @@ def run_bench(model_path: str = "demo", batch: int = 8, input_len: int = 128, ou
               kv_cache_dtype: str = "auto", block_size: int = 16, kv_cache_memory: Union[int, str, None] = None,
               backend: str = "auto", device: Optional[str] = None, dtype: Optional[str] = None,
               max_num_seqs: Optional[int] = None, seed: int = 0, warmup: bool = True, model=None,
-              tokenizer=None) -> dict:
+              tokenizer=None, draft=None, num_speculative_tokens: int = 4, draft_dtype: Optional[str] = None,
+              draft_tokenizer=None, lm_head_quant: Optional[str] = None,
+              draft_lm_head_quant: Optional[str] = None) -> dict:
     """``batch`` random prompts of ``input_len`` tokens, ``output_len`` greedy tokens each (EOS
     ignored), all submitted at once and run with continuous batching.
 
     Returns ttft_ms / tpot_ms (means over requests), tokens_per_s (all output tokens / wall time),
     decode_tokens_per_s (decode steps only), kv_blocks_used (peak) / kv_blocks_total /
     kv_utilization, prefix_hit_rate, kv_bytes_per_block, num_preemptions, wall_s, ... . Pass
-    ``model`` (and ``tokenizer``) to reuse a loaded model instead of loading ``model_path``."""
+    ``model`` (and ``tokenizer``) to reuse a loaded model instead of loading ``model_path``. With a
+    ``draft`` (as for :func:`generate_text`) it decodes speculatively and adds acceptance_rate,
+    mean_accepted_tokens and the counts behind them (random prompts: a draft accepts less than
+    on real text)."""
     if batch < 1 or input_len < 1 or output_len < 1:
         raise QuantkitError("batch, input_len and output_len must be at least 1")
     if model is None:
         model, tokenizer = load_model_and_tokenizer(model_path, backend, device, dtype)
+    if draft_tokenizer is None:
+        draft, draft_tokenizer = load_draft(draft, model_path, backend, device, draft_dtype)
     engine = LLMEngine(model, tokenizer, block_size=block_size, kv_cache_memory=kv_cache_memory,
                        kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs or batch,
-                       max_num_batched_tokens=max(8192, input_len))
+                       max_num_batched_tokens=max(8192, input_len), draft=draft,
+                       num_speculative_tokens=num_speculative_tokens, draft_tokenizer=draft_tokenizer,
+                       lm_head_quant=lm_head_quant, draft_lm_head_quant=draft_lm_head_quant)
     vocab = engine.runner.embed.num_embeddings
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     if warmup:

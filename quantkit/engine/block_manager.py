@@ -82,10 +82,11 @@ class BlockManager:
         block.reset()
         return block
 
-    def _register(self, block: Block, h: int, token_ids: list[int]) -> None:
+    def _register(self, block: Block, h: int, token_ids: list[int], publish: bool = True) -> None:
         block.hash = h
         block.token_ids = list(token_ids)
-        self.hash_to_block[h] = block.block_id
+        if publish:
+            self.hash_to_block[h] = block.block_id
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -143,25 +144,59 @@ class BlockManager:
         seq.block_table.clear()
         seq.num_cached_tokens = 0
 
-    def _needs_new_block(self, seq: Sequence) -> bool:
-        return len(seq) > len(seq.block_table) * self.block_size
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether the token just appended to ``seq`` (its K/V is written by the next decode) has a slot."""
-        return len(self.free) >= int(self._needs_new_block(seq))
+    def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
+        """Whether the token just appended to ``seq`` (its K/V is written by the next step) and
+        ``lookahead`` speculative tokens after it have slots."""
+        return len(self.free) >= self.blocks_for(len(seq) + lookahead) - len(seq.block_table)
 
-    def may_append(self, seq: Sequence) -> None:
-        """Make room for ``seq``'s last token; when it completes a block, hash that block for reuse."""
-        if self._needs_new_block(seq):
+    def may_append(self, seq: Sequence, lookahead: int = 0) -> None:
+        """Make room for ``seq``'s last token and ``lookahead`` speculative tokens after it, and hash
+        the blocks its tokens have filled for reuse. The last token's K/V is written by the step this
+        is called for, so a block it completes may be hashed now (as may one filled by accepted
+        speculative tokens, whose K/V the verification step wrote)."""
+        self.ensure(seq, len(seq) + lookahead)
+        if self.enable_prefix_caching:
+            self._hash_full_blocks(seq)
+
+    def ensure(self, seq: Sequence, num_tokens: int) -> None:
+        """Give ``seq`` blocks for its first ``num_tokens`` positions (fresh ones from the free list)."""
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        if need > len(self.free):
+            raise RuntimeError(f"not enough free KV blocks for sequence {seq.seq_id}")
+        for _ in range(need):
             seq.block_table.append(self._take_free_block().block_id)
+        if need > 0:
             self._note_peak()
-        if self.enable_prefix_caching and len(seq) % self.block_size == 0:
-            n = len(seq) // self.block_size
-            last = self.blocks[seq.block_table[n - 1]]
-            if last.hash is None:
-                prev = self.blocks[seq.block_table[n - 2]].hash if n > 1 else None
-                if n == 1 or prev is not None:
-                    token_ids = seq.block(n - 1)
-                    h = block_hash(token_ids, prev)
-                    if h not in self.hash_to_block:
-                        self._register(last, h, token_ids)
+
+    def _hash_full_blocks(self, seq: Sequence) -> None:
+        """Hash every full block of ``seq`` not hashed yet, chained on the one before (usually just the
+        block its last token completed; several after speculative tokens were accepted). A block
+        whose prefix another block already caches keeps the hash, for the chain, without taking over
+        the lookup entry."""
+        j = len(seq) // self.block_size - 1
+        start = j
+        while start >= 0 and self.blocks[seq.block_table[start]].hash is None:
+            start -= 1
+        for i in range(start + 1, j + 1):
+            prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
+            token_ids = seq.block(i)
+            h = block_hash(token_ids, prev)
+            self._register(self.blocks[seq.block_table[i]], h, token_ids, publish=h not in self.hash_to_block)
+
+    def rollback(self, seq: Sequence) -> None:
+        """Release the blocks past what ``seq``'s tokens need: the slots of rejected speculative
+        tokens. They never hold a hash (only blocks full of committed tokens are hashed) nor another
+        reference, and go to the front of the free list: they cache nothing, so they are reused
+        before any freed block that still holds a prefix (and a batch-1 sequence gets the same block
+        back next step, keeping its blocks consecutive)."""
+        keep = self.blocks_for(len(seq))
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            if block.hash is not None or block.ref_count != 1:
+                raise RuntimeError(f"block {block.block_id} past sequence {seq.seq_id}'s tokens is cached or shared")
+            block.ref_count = 0
+            self.free[block.block_id] = None
+            self.free.move_to_end(block.block_id, last=False)

@@ -22,6 +22,7 @@ from quantkit.engine.model_runner import ModelRunner
 from quantkit.engine.sampler import Sampler
 from quantkit.engine.scheduler import Scheduler
 from quantkit.engine.sequence import SamplingParams, Sequence
+from quantkit.engine.speculative import SpeculativeDecoder, make_proposer
 from quantkit.errors import QuantkitError
 
 StreamCallback = Callable[[int, int, str], None]  # (prompt index, token id, newly decodable text)
@@ -70,17 +71,30 @@ class LLMEngine:
                  kv_cache_dtype: Union[str, torch.dtype, None] = "auto", max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 8192, enable_prefix_caching: bool = True,
                  num_kv_blocks: Optional[int] = None, kv_cache_fraction: Optional[float] = None,
-                 attention_backend: str = "auto", fuse_projections: Optional[bool] = None):
+                 attention_backend: str = "auto", fuse_projections: Optional[bool] = None, draft=None,
+                 num_speculative_tokens: int = 4, draft_tokenizer=None, lm_head_quant: Optional[str] = None,
+                 draft_lm_head_quant: Optional[str] = None):
+        """``draft``: speculative decoding (``engine.speculative``) with a draft model (same
+        tokenizer: pass ``draft_tokenizer`` to have it checked), ``"ngram"`` (prompt lookup) or a
+        proposer object, verifying ``num_speculative_tokens`` draft tokens per step.
+        ``lm_head_quant`` / ``draft_lm_head_quant`` ("int8", "int4"): decode through a quantized
+        copy of the target's / draft's LM head only (engine.quantized_head; changes the logits)."""
         if block_size < 1:
             raise QuantkitError(f"block_size must be at least 1, got {block_size}")
         self.model = model
         self.tokenizer = tokenizer
+        runner_kw = dict(attention_backend=attention_backend, fuse_projections=fuse_projections)
         self.runner = ModelRunner(model, block_size=block_size, kv_cache_dtype=kv_cache_dtype, num_blocks=num_kv_blocks,
                                   kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction,
-                                  max_num_seqs=max_num_seqs, attention_backend=attention_backend,
-                                  fuse_projections=fuse_projections)
+                                  max_num_seqs=max_num_seqs, lm_head_quant=lm_head_quant, **runner_kw)
+        self.speculative: Optional[SpeculativeDecoder] = None
+        if draft is not None:
+            proposer = make_proposer(draft, self.runner, num_speculative_tokens, max_num_seqs, tokenizer,
+                                     draft_tokenizer, kv_cache_dtype, lm_head_quant=draft_lm_head_quant, **runner_kw)
+            self.speculative = SpeculativeDecoder(self.runner, proposer, num_speculative_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, eos_token_ids(model, tokenizer))
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, eos_token_ids(model, tokenizer),
+                                   num_lookahead_tokens=num_speculative_tokens if draft is not None else 0)
         self.sampler = Sampler()
         self.metrics = EngineMetrics()
 
@@ -123,14 +137,14 @@ class LLMEngine:
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
-    def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.is_finished()
-
     def step(self) -> list[tuple[Sequence, int]]:
-        """Run one scheduled prefill or decode step; returns (sequence, new token) for each sequence in it."""
+        """Run one scheduled prefill or decode step; returns (sequence, new token) for each token it
+        appended (one per sequence, or several after a speculative decode step)."""
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
+        if self.speculative is not None and not is_prefill:
+            return self._speculative_step(seqs)
         computed = [len(s) - s.prefill_start for s in seqs] if is_prefill else None
         t0 = time.perf_counter()
         logits = self.runner.run(seqs, is_prefill)
@@ -152,6 +166,24 @@ class LLMEngine:
         for seq in self.scheduler.postprocess(seqs, token_ids, now):
             m.record_finished(seq)
         return list(zip(seqs, token_ids))
+
+    def _speculative_step(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """Propose, verify, accept (engine.speculative); then give back the slots of rejected draft
+        tokens and let the proposer forget what left the batch."""
+        out = self.speculative.step(seqs, [self.scheduler.lookahead(s) for s in seqs])
+        now = time.perf_counter()
+        finished, appended = self.scheduler.postprocess_many(seqs, out.tokens, now)
+        done = {s.seq_id for s in finished}
+        for seq in seqs:
+            if seq.seq_id not in done:
+                self.block_manager.rollback(seq)
+        proposer = self.speculative.proposer
+        proposer.accepted(seqs, out.accepted)
+        proposer.retain({s.seq_id for s in self.scheduler.running})
+        self.metrics.record_speculative(out, sum(map(len, appended)))
+        for seq in finished:
+            self.metrics.record_finished(seq)
+        return [(seq, tok) for seq, toks in zip(seqs, appended) for tok in toks]
 
     def generate(self, prompts: Seq[Union[str, Seq[int]]],
                  sampling_params: Union[SamplingParams, Seq[SamplingParams], None] = None,
@@ -197,7 +229,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ metrics
     def get_metrics(self) -> dict:
-        return self.metrics.summary(self.block_manager, self.runner.kv_cache, self.scheduler.num_preemptions)
+        return self.metrics.summary(self.block_manager, self.runner.kv_cache, self.scheduler.num_preemptions,
+                                    speculative=self.speculative is not None)
 
     def reset_metrics(self) -> None:
         self.metrics = EngineMetrics()

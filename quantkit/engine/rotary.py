@@ -6,6 +6,9 @@ Supported natively: ``default``, ``linear`` (positions divided by ``factor``) an
 ``ROPE_INIT_FUNCTIONS``; ``dynamic`` NTK is evaluated at its base length, i.e. exact up to
 ``max_position_embeddings``.
 
+A ``partial_rotary_factor`` below 1 (Phi-3.5/Phi-4-mini and others) rotates only the first
+``rotary_dim`` channels of each head, as transformers does.
+
 Config forms: transformers >= 5 ``config.rope_parameters = {"rope_type", "rope_theta", ...}``;
 older ``config.rope_theta`` + ``config.rope_scaling = {"type"|"rope_type", ...}``.
 """
@@ -55,27 +58,25 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict, max_position_embedding
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RotaryEmbedding:
-    """``q, k = rope(positions, q, k)`` with q [N, H, D], k [N, KVH, D], positions [N]."""
+    """Rotary position embedding: cos/sin per position (`cos_sin`, once per step for all layers) and the
+    rotation of q and k as transformers' rotate_half layout defines it (`rotate`, `rotate_partial`)."""
 
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0, head_dim: Optional[int] = None):
         self.inv_freq = inv_freq.float()
         self.attention_scaling = float(attention_scaling)
+        self.rotary_dim = 2 * inv_freq.shape[0]
+        self.partial = head_dim is not None and self.rotary_dim < head_dim
 
     @classmethod
     def from_config(cls, config, device: Optional[torch.device] = None) -> "RotaryEmbedding":
         params = rope_parameters(config)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise QuantkitError("partial rotary embeddings are not supported by the engine")
+        factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+        dim = int(head_dim * factor)
         rope_type = params["rope_type"]
         theta = float(params["rope_theta"])
-        inv_freq = default_inv_freq(theta, head_dim)
+        inv_freq = default_inv_freq(theta, dim)
         scaling = 1.0
         if rope_type == "default":
             pass
@@ -91,19 +92,13 @@ class RotaryEmbedding:
             except (ImportError, KeyError):
                 raise QuantkitError(f"rope type {rope_type!r} is not supported by the engine") from None
             inv_freq, scaling = init(config, None)
-        return cls(inv_freq.to(device) if device is not None else inv_freq, scaling)
+        return cls(inv_freq.to(device) if device is not None else inv_freq, scaling, head_dim)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * inv_freq  # the same fp32 ops as transformers
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
-
-    @staticmethod
-    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [N, H, D] and k [N, KVH, D] by cos/sin [N, D] (computed once per step, shared by all layers)."""
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
     @staticmethod
     def signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -118,5 +113,9 @@ class RotaryEmbedding:
         rotates q and k of a fused projection as one tensor [N, H + KVH, D]; cos/sin_signed [N, 1, D]."""
         return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.apply(q, k, *self.cos_sin(positions, q.dtype))
+    def rotate_partial(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """:meth:`rotate` on the first ``rotary_dim`` channels of each head, the rest passed through."""
+        if not self.partial:
+            return self.rotate(x, cos, sin_signed)
+        rd = self.rotary_dim
+        return torch.cat((self.rotate(x[..., :rd], cos, sin_signed), x[..., rd:]), dim=-1)

@@ -28,13 +28,26 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
 
 
-def _generator(seq, device: torch.device) -> Optional[torch.Generator]:
+def request_generator(seq, device: torch.device) -> Optional[torch.Generator]:
+    """The request's own random stream (None: the global one), created on first use on ``device``."""
     seed = seq.sampling_params.seed
     if seed is None:
         return None
     if seq.generator is None or seq.generator.device != device:
         seq.generator = torch.Generator(device=device).manual_seed(int(seed))
     return seq.generator
+
+
+def sampling_probs(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
+    """The distribution each row is sampled from: softmax of logits [N, V] after the row's
+    temperature, top-k and top-p (``params`` of sampling requests, one per row), fp32."""
+    dev = logits.device
+    sub = logits.float() / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    top_k = torch.tensor([p.top_k for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32)
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        sub = sub.masked_fill(top_k_top_p_mask(sub, top_k, top_p), float("-inf"))
+    return sub.softmax(dim=-1)
 
 
 class Sampler:
@@ -45,16 +58,8 @@ class Sampler:
         out = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            idx = torch.tensor(rows, device=logits.device)
-            sub = logits[idx]
-            temp = torch.tensor([params[i].temperature for i in rows], device=logits.device)
-            sub = sub / temp[:, None]
-            top_k = torch.tensor([params[i].top_k for i in rows], device=logits.device)
-            top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device, dtype=torch.float32)
-            if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
-                sub = sub.masked_fill(top_k_top_p_mask(sub, top_k, top_p), float("-inf"))
-            probs = sub.softmax(dim=-1)
+            probs = sampling_probs(logits[torch.tensor(rows, device=logits.device)], [params[i] for i in rows])
             for j, i in enumerate(rows):
-                gen = _generator(seqs[i], logits.device)
+                gen = request_generator(seqs[i], logits.device)
                 out[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
         return out.tolist()

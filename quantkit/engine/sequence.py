@@ -93,10 +93,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
     def num_blocks(self) -> int:
         return (len(self.token_ids) + self.block_size - 1) // self.block_size
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from quantkit.errors import QuantkitError
+from quantkit.models.layout import DecoderLayout
 
 NORM = "norm"
 LINEAR = "linear"
@@ -232,6 +233,10 @@ class ArchitectureAdapter:
     def attention(self, layer: nn.Module) -> AttentionBlock | None:
         """The layer's self-attention, if its forward is transformers' Llama form (None: run it whole)."""
         return None
+
+    def decoder_layout(self, model: nn.Module) -> "DecoderLayout":
+        """The forward's shape for an inference engine (``quantkit.models.layout``)."""
+        raise QuantkitError(f"the engine does not run {type(model).__name__} models yet")
 
     def input_groups(self, layer: nn.Module, config=None) -> list[InputGroup]:
         """Groups of linears sharing an input, with where to fold a per-channel scale.

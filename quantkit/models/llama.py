@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from quantkit.models.base import LINEAR, NORM, ArchitectureAdapter, AttentionBlock, GatedMLP, InputGroup, resolve
+from quantkit.models.layout import GATED, RMS, AttentionLayout, DecoderLayout, MLPLayout
 
 Q, K, V, O = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"
 GATE, UP, DOWN = "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"
@@ -46,6 +47,16 @@ class LlamaAdapter(ArchitectureAdapter):
         # q/k/v(hidden) -> rotary -> attention -> o_proj(output), the batch dimension first throughout
         return AttentionBlock(module="self_attn", inputs=(Q, K, V), output=O)
 
+    def decoder_layout(self, model: nn.Module) -> DecoderLayout:
+        attn = resolve(self.decoder_layers(model)[0], "self_attn")
+        qk_norm = getattr(attn, "q_norm", None) is not None  # Qwen3
+        return DecoderLayout(
+            norm=RMS, attn_norm="input_layernorm", mlp_norm="post_attention_layernorm",
+            attention=AttentionLayout(qkv=(Q, K, V), out=O, q_norm="self_attn.q_norm" if qk_norm else None,
+                                      k_norm="self_attn.k_norm" if qk_norm else None),
+            mlp=MLPLayout(GATED, (GATE, UP), DOWN, "mlp.act_fn"), embed_tokens="model.embed_tokens",
+            sliding_window=sliding_window(model.config))
+
     def input_groups(self, layer: nn.Module, config=None) -> list[InputGroup]:
         groups = self.attention_groups(layer)
         groups.append(InputGroup("post_attention_layernorm", (GATE, UP), inspect="mlp", kind=NORM, token_wise=True))
@@ -64,3 +75,10 @@ class LlamaAdapter(ArchitectureAdapter):
         if resolve(layer, V).out_features == resolve(layer, O).in_features:
             groups.append(InputGroup(V, (O,), inspect=O, kind=LINEAR))
         return groups
+
+
+def sliding_window(config):
+    """The attention window of a config that uses one (Mistral by default, Qwen2/3 with
+    use_sliding_window, Phi-3 whenever sliding_window is set), else None."""
+    uses = getattr(config, "use_sliding_window", config.model_type in ("mistral", "phi3"))
+    return getattr(config, "sliding_window", None) if uses else None

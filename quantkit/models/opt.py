@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from quantkit.models.base import LINEAR, NORM, ArchitectureAdapter, InputGroup, resolve
+from quantkit.models.layout import LAYER, PLAIN, AttentionLayout, DecoderLayout, MLPLayout
 
 Q, K, V, OUT = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"
 FC1, FC2 = "fc1", "fc2"
@@ -43,6 +44,19 @@ class OPTAdapter(ArchitectureAdapter):
         if project_out is not None:
             out.append(("model.decoder.project_out", project_out))
         return out
+
+    def decoder_layout(self, model: nn.Module) -> DecoderLayout:
+        """Learned positions (their table offset by 2), q scaled after its projection, ReLU MLP,
+        LayerNorms before (most OPTs) or after (350m) each block."""
+        decoder = resolve(model, "model.decoder")
+        return DecoderLayout(
+            norm=LAYER, attn_norm="self_attn_layer_norm", mlp_norm="final_layer_norm",
+            attention=AttentionLayout(qkv=(Q, K, V), out=OUT, query_scaled=True),
+            mlp=MLPLayout(PLAIN, (FC1,), FC2, "activation_fn"), embed_tokens="model.decoder.embed_tokens",
+            norm_before=bool(model.config.do_layer_norm_before), rotary=False,
+            position_embedding="model.decoder.embed_positions",
+            position_offset=int(getattr(decoder.embed_positions, "offset", 2)),
+            project_in="model.decoder.project_in" if getattr(decoder, "project_in", None) is not None else None)
 
     def _linear_names(self, layer: nn.Module) -> list[str]:
         return [Q, K, V, OUT, FC1, FC2]

@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from quantkit.errors import QuantkitError
 from quantkit.models.base import LINEAR, NORM, AttentionBlock, InputGroup, resolve
-from quantkit.models.llama import LlamaAdapter
+from quantkit.models.layout import GATED, RMS, AttentionLayout, DecoderLayout, MLPLayout
+from quantkit.models.llama import LlamaAdapter, sliding_window
 
 QKV, O = "self_attn.qkv_proj", "self_attn.o_proj"
 GATE_UP, DOWN = "mlp.gate_up_proj", "mlp.down_proj"
@@ -33,6 +34,12 @@ class Phi3Adapter(LlamaAdapter):
 
     def attention(self, layer: nn.Module) -> AttentionBlock:
         return AttentionBlock(module="self_attn", inputs=(QKV,), output=O)
+
+    def decoder_layout(self, model: nn.Module) -> DecoderLayout:
+        return DecoderLayout(
+            norm=RMS, attn_norm="input_layernorm", mlp_norm="post_attention_layernorm",
+            attention=AttentionLayout(qkv=(QKV,), out=O), mlp=MLPLayout(GATED, (GATE_UP,), DOWN, "mlp.activation_fn"),
+            embed_tokens="model.embed_tokens", sliding_window=sliding_window(model.config))
 
     def input_groups(self, layer: nn.Module, config=None) -> list[InputGroup]:
         qkv, o = resolve(layer, QKV), resolve(layer, O)

@@ -88,18 +88,23 @@ def clip_ratios_grid(n_grid: int, max_shrink: float) -> list[float]:
     return [1.0 - i / n_grid for i in range(max(1, int(max_shrink * n_grid)))]
 
 
-def _clip_bounds(w: torch.Tensor, gs: int):
-    """Per (row, group) range [min(wmin,0), max(wmax,0)] of w [N, K] as [N, G, 1] tensors."""
+def _clip_bounds(w: torch.Tensor, gs: int, sym: bool = False):
+    """Per (row, group) range of w [N, K] as [N, G, 1] tensors: [min(wmin,0), max(wmax,0)] for an
+    asymmetric grid; for a symmetric one [-absmax, absmax], since only the absmax sets its scale
+    (shrinking the other side too would distort weights for no finer grid)."""
     n, k = w.shape
     wg = w.float().reshape(n, k // gs, gs)
+    if sym:
+        amax = wg.abs().amax(dim=2, keepdim=True)
+        return -amax, amax
     return wg.amin(dim=2, keepdim=True).clamp(max=0.0), wg.amax(dim=2, keepdim=True).clamp(min=0.0)
 
 
-def clip_weight(w: torch.Tensor, ratios: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``w`` [N, K] clamped per (row, group) to [min(wmin,0)*r, max(wmax,0)*r] with r = ratios [N, G]."""
+def clip_weight(w: torch.Tensor, ratios: torch.Tensor, group_size: int, sym: bool = False) -> torch.Tensor:
+    """``w`` [N, K] clamped per (row, group) to its range (`_clip_bounds`) shrunk by r = ratios [N, G]."""
     n, k = w.shape
     gs = k if group_size == -1 else group_size
-    lo, hi = _clip_bounds(w, gs)
+    lo, hi = _clip_bounds(w, gs, sym)
     r = ratios.to(device=w.device, dtype=torch.float32).reshape(n, k // gs, 1)
     wg = w.float().reshape(n, k // gs, gs)
     return torch.maximum(torch.minimum(wg, hi * r), lo * r).reshape(n, k).to(w.dtype)
@@ -131,7 +136,7 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: LinearScheme, n_grid: 
         for start in range(0, n, chunk):
             wc = w[start:start + chunk]
             rows = wc.shape[0]
-            q = fake_quantize_grouped(clip_weight(wc, torch.full((rows, g), r), gs), scheme)
+            q = fake_quantize_grouped(clip_weight(wc, torch.full((rows, g), r), gs, scheme.sym), scheme)
             d = (q - wc).reshape(rows, g, gs).permute(1, 2, 0)  # [G, gs, rows]
             err_r[start:start + rows] = torch.bmm(xg, d).pow(2).mean(dim=1).t()  # [rows, G]
         better = err_r < best_err
@@ -223,6 +228,7 @@ class AWQTransform(Transform):
     options_spec = {
         "duo_scaling": True,  # s = x_mean^a / w_mean^(1-a) (AutoAWQ's default) instead of x_mean^a
         "n_grid": 20,  # alpha grid {0, 1/n, ..., (n-1)/n}
+        "full_grid": False,  # also try no scaling (s = 1) and alpha = 1, as llm-compressor does
         # the scale-search loss re-runs its block 20 times, so it runs on samples (0: all tokens):
         "max_search_tokens": 2048,  # whole sequences, for blocks that mix tokens (attention)
         "token_search_tokens": 1024,  # a strided token sample from every sequence, for token-wise blocks (MLP, a linear)
@@ -283,7 +289,7 @@ class AWQTransform(Transform):
             ratios = search_clip(lin.weight.data, x, scheme, int(self.options["clip_n_grid"]),
                                  float(self.options["clip_max_shrink"]))
             with torch.no_grad():
-                lin.weight.data = clip_weight(lin.weight.data, ratios, scheme.group_size)
+                lin.weight.data = clip_weight(lin.weight.data, ratios, scheme.group_size, scheme.sym)
             log["clip"][name] = ratios.cpu()
         log["seconds"] = time.perf_counter() - t0
 
@@ -367,12 +373,14 @@ class AWQTransform(Transform):
                 out = self._run_inspect(inspect, batches)
                 return sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference)) / numel
         n_grid = int(self.options["n_grid"])
+        alphas = [i / n_grid for i in range(n_grid + bool(self.options["full_grid"]))]
+        candidates = [(a, candidate_scales(x_mean, w_mean, a)) for a in alphas]
+        if self.options["full_grid"]:
+            candidates.insert(0, (None, torch.ones_like(x_mean)))  # no scaling: the layer as it is
         losses: list[float] = []
         best = (math.inf, None, None)
         try:
-            for i in range(n_grid):
-                alpha = i / n_grid
-                s = candidate_scales(x_mean, w_mean, alpha)
+            for alpha, s in candidates:
                 for n, m in linears.items():
                     w = originals[n]
                     sv = s.to(device=w.device, dtype=torch.float32).view(1, -1)

@@ -169,6 +169,8 @@ def build_recipe(method: Union[str, Iterable[str], Recipe, Step, type], options:
     An option no step declares, or one two steps both declare, is refused: nothing is dropped
     silently. Options given with a ready-made Recipe or Step instance are refused too (set them
     on the instance)."""
+    if isinstance(method, (list, tuple)) and method and all(isinstance(m, Step) for m in method):
+        method = Recipe(method)  # ready steps, in order
     if isinstance(method, (Recipe, Step)) or (isinstance(method, type) and issubclass(method, Step)):
         if options and not isinstance(method, type):
             raise QuantkitError(f"options {sorted(options)} were given with a ready {type(method).__name__} "
@@ -190,6 +192,6 @@ def build_recipe(method: Union[str, Iterable[str], Recipe, Step, type], options:
                             f"allowed: {allowed}")
     shared = sorted(k for k in options if len(owners[k]) > 1)
     if shared:
-        raise QuantkitError(f"option {shared[0]!r} belongs to several steps ({', '.join(owners[shared[0]])}); "
-                            "set it per step in a recipe file")
+        raise QuantkitError(f"option {shared[0]!r} belongs to several steps ({', '.join(owners[shared[0]])}), "
+                            "so it cannot say which one it sets; pass ready Step instances instead")
     return Recipe([c(**{k: v for k, v in options.items() if owners[k] == [c.name]}) for c in classes])

@@ -1,0 +1,57 @@
+"""What an inference engine needs to run a family's decoder with its own attention: the forward's
+shape, named by module paths. ``ArchitectureAdapter.decoder_layout`` answers it per family, so the
+engine holds no family's attribute names (the calibration driver does not use this).
+
+One decoder layer, as every supported family computes it::
+
+    pre-norm (norm_before):   x = x + out(attn(attn_norm(x)));   x = x + mlp(mlp_norm(x))
+    post-norm (OPT-350m):     x = attn_norm(x + out(attn(x)));   x = mlp_norm(x + mlp(x))
+
+attention: q, k, v from one fused projection ([q | k | v] rows) or three; optional per-head q/k
+RMSNorm (Qwen3) before rotary; rotary positions or none (OPT adds learned position embeddings to
+the input instead, and scales q by head_dim^-0.5 after its projection). MLP: ``down(act(gate) *
+up)`` from two projections or one fused [gate | up] one (Phi-3), or ``fc2(act(fc1(x)))`` (OPT).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+RMS = "rms"
+LAYER = "layer"  # nn.LayerNorm (weight and bias)
+GATED = "gated"  # down(act(gate(x)) * up(x)), gate and up apart or fused [gate | up]
+PLAIN = "plain"  # fc2(act(fc1(x)))
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    qkv: tuple[str, ...]  # (q, k, v) projections, or one fused projection with rows [q | k | v]
+    out: str
+    q_norm: Optional[str] = None  # per-head RMSNorm on q and k before rotary (Qwen3)
+    k_norm: Optional[str] = None
+    query_scaled: bool = False  # q = q_proj(x) * head_dim^-0.5 in the model; attention itself unscaled (OPT)
+
+
+@dataclass(frozen=True)
+class MLPLayout:
+    kind: str  # GATED or PLAIN
+    up: tuple[str, ...]  # GATED: (gate, up) or (fused gate_up,) with rows [gate | up]; PLAIN: (fc1,)
+    down: str
+    act: str  # the activation module
+
+
+@dataclass(frozen=True)
+class DecoderLayout:
+    """Module paths of one family: model-level ones from the model, layer-level ones from a decoder layer."""
+    norm: str  # RMS or LAYER, for every norm of the model
+    attn_norm: str
+    mlp_norm: str
+    attention: AttentionLayout
+    mlp: MLPLayout
+    embed_tokens: str
+    norm_before: bool = True  # pre-norm; False: post-norm (OPT with do_layer_norm_before=False)
+    rotary: bool = True  # rotary embeddings from the config; False: none
+    position_embedding: Optional[str] = None  # learned absolute positions added to the input (OPT)
+    position_offset: int = 0  # OPT's table starts at position -2
+    project_in: Optional[str] = None  # after the token embedding (OPT with word_embed_proj_dim != hidden)
+    sliding_window: Optional[int] = None  # tokens a query may see; the engine keeps requests within it

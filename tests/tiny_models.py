@@ -1,0 +1,72 @@
+"""Tiny random models of every family the engine runs, and helpers shared by the engine tests.
+
+Random init leaves small logit margins, so greedy tokens from these models are a sensitive check:
+an engine that computes anything differently from transformers flips them quickly."""
+from __future__ import annotations
+
+import torch
+import transformers
+
+from quantkit.engine import LLMEngine, SamplingParams
+
+VOCAB = 256
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "opt")
+
+
+def tiny_model(kind: str = "llama", **extra):
+    """A 2-layer random model of `kind` (one of FAMILIES), GQA where the family has it, with the
+    parts that distinguish the family made to matter (biases, q/k norms, norm weights)."""
+    torch.manual_seed(0)
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512, bos_token_id=1,
+                  eos_token_id=None, pad_token_id=0, initializer_range=0.1)
+    if kind == "opt":  # no GQA, learned positions, LayerNorm with biases, ReLU MLP
+        common = dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+                      max_position_embeddings=512, word_embed_proj_dim=64, bos_token_id=1, eos_token_id=None,
+                      pad_token_id=0, init_std=0.1)
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "phi3": transformers.Phi3Config, "opt": transformers.OPTConfig}[kind]
+    if kind == "qwen3":
+        common["head_dim"] = 24  # != hidden / heads, like real Qwen3
+    cfg = cls(**{**common, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    if kind in ("phi3", "opt"):  # norm weights (and OPT's biases) away from their init, so they matter
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                torch.nn.init.normal_(param, 1.0 if name.endswith("weight") else 0.0, 0.3)
+            elif kind == "opt" and name.endswith("bias"):
+                torch.nn.init.normal_(param, 0.0, 0.2)
+    if kind == "qwen2":  # random biases, so they matter
+        for layer in model.model.layers:
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(lin.bias, std=0.5)
+    if kind == "qwen3":
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.q_norm.weight, 1.0, 0.3)
+    return model
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                         pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def prompts(n, lengths, vocab=VOCAB, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths][:n]
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, **kw)
+
+
+def assert_pool_full(engine: LLMEngine) -> None:
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_used_blocks} KV blocks leaked"
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert engine.is_finished()
