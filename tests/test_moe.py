@@ -396,8 +396,74 @@ def test_moe_settings_are_refused_where_they_mean_nothing(model_dir, tiny_llama_
         quantkit.quantize(str(model_dir("olmoe")), "rtn", format="gguf", output=tmp_path / "d", progress=False)
 
 
-def test_engine_refuses_moe_models_instead_of_running_them_wrong():
+# ------------------------------------------------------------------------------ the engine
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_routing_is_each_familys_own(family):
+    """The engine's routing (softmax top-k with the family's renormalisation, DeepSeek's sigmoid
+    group-limited top-k with its score bias and routed_scaling_factor) picks the experts transformers'
+    router picks, with the same weights."""
+    from quantkit.engine.moe import sigmoid_grouped_topk, softmax_topk
+    from quantkit.models.layout import SIGMOID_GROUPED
+
+    model = build(family)
+    adapter = get_adapter(model)
+    layer = adapter.decoder_layers(model)[-1]
+    router = layer.get_submodule(adapter.moe_blocks(layer)[0].router)
+    layout = adapter.moe_layout(model.config)
+    if family == "deepseek_v3":
+        with torch.no_grad():
+            router.e_score_correction_bias.normal_(0.0, 0.1)  # a real bias, so ignoring it would show
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _, want_w, want_i = router(x)
+        logits = torch.nn.functional.linear(x, router.weight)
+        if layout.scoring == SIGMOID_GROUPED:
+            got_w, got_i = sigmoid_grouped_topk(logits, router.e_score_correction_bias, layout.top_k, layout.n_group,
+                                                layout.topk_group, layout.renormalize, layout.scaling)
+        else:
+            got_w, got_i = softmax_topk(logits, layout.top_k, layout.renormalize)
+    order_want, order_got = want_i.sort(dim=-1), got_i.sort(dim=-1)
+    assert torch.equal(order_want.values, order_got.values)
+    torch.testing.assert_close(got_w.gather(1, order_got.indices), want_w.float().gather(1, order_want.indices),
+                               rtol=1e-6, atol=1e-7)
+
+
+ENGINE_FAMILIES = [f for f in FAMILIES if f != "deepseek_v3"]
+
+
+def _engine_tokens(model, prompts_, n):
+    from quantkit.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(model, block_size=4, num_kv_blocks=64, max_num_seqs=2)
+    return [g["token_ids"] for g in engine.generate(prompts_, SamplingParams(temperature=0.0, max_tokens=n))]
+
+
+def _hf_tokens(model, prompts_, n):
+    out = []
+    for p in prompts_:
+        x = torch.tensor([p])
+        out.append(model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                  pad_token_id=0)[0, len(p):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_engine_greedy_tokens_equal_transformers_generate(model_dir, tmp_path, family):
+    """On the unquantized model, and on an 8-bit checkpoint (quantkit.load, per-expert QuantLinears)
+    against transformers on the dequantize-into-transformers oracle of that checkpoint."""
+    prompts_ = [ids(1, n, seed=10 + n)[0].tolist() for n in (5, 13, 9)]
+    source = model_dir(family)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    assert _engine_tokens(model, prompts_, 8) == _hf_tokens(model, prompts_, 8)
+    out = tmp_path / "q"
+    quantkit.quantize(str(source), "rtn", bits=8, group_size=32, output=out, progress=False)
+    loaded = quantkit.load(out, backend="reference", dtype="float32")
+    assert _engine_tokens(loaded, prompts_, 8) == _hf_tokens(oracle_model(source, out), prompts_, 8)
+
+
+def test_engine_refuses_deepseek_mla_clearly():
     from quantkit.engine import LLMEngine
 
-    with pytest.raises(QuantkitError, match="Mixture-of-Experts"):
-        LLMEngine(build("qwen3_moe"), num_kv_blocks=16)
+    with pytest.raises(QuantkitError, match="MLA"):
+        LLMEngine(build("deepseek_v3"), num_kv_blocks=16)

@@ -22,11 +22,14 @@ Routers and shared-expert gates stay in full precision (vLLM builds them unquant
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import torch.nn as nn
 
+from quantkit.errors import QuantkitError
 from quantkit.models.base import (EXPERT_PROJECTIONS, LINEAR, NORM, AttentionBlock, GatedMLP, InputGroup, MoEBlock,
                                   resolve)
+from quantkit.models.layout import SIGMOID_GROUPED, DecoderLayout, MoELayout
 from quantkit.models.llama import DOWN, GATE, K, O, Q, UP, V, LlamaAdapter
 
 GATE_UP = ("gate_proj", "up_proj")
@@ -104,6 +107,18 @@ class MoEAdapter(LlamaAdapter):
                                   inspect=b.expert_linear(e, "down_proj"), kind=LINEAR) for e in range(b.num_experts)]
         return groups
 
+    # -- the engine ------------------------------------------------------------------------------
+    def decoder_layout(self, model: nn.Module) -> DecoderLayout:
+        """Llama's layout; sparse layers (moe_blocks) run `moe_layout` instead of the dense MLP."""
+        return replace(super().decoder_layout(model), moe=self.moe_layout(model.config))
+
+    def moe_layout(self, config) -> MoELayout:
+        """Softmax -> top-k, renormalised when the config says (norm_topk_prob), plus the shared expert."""
+        return MoELayout(router="mlp.gate", experts="mlp.experts", top_k=int(config.num_experts_per_tok),
+                         renormalize=bool(getattr(config, "norm_topk_prob", True)),
+                         shared=f"mlp.{self.shared_name}" if self.shared_name else None,
+                         shared_gate=f"mlp.{self.shared_gate_name}" if self.shared_gate_name else None)
+
     # -- the whole model --------------------------------------------------------------------------
     def linear_shapes(self, model: nn.Module) -> dict[str, tuple[int, int]]:
         gates = set(self._shared_gates(model))
@@ -135,6 +150,13 @@ class MixtralAdapter(MoEAdapter):
         name = re.sub(r"(layers\.\d+)\.block_sparse_moe\.", r"\1.mlp.", name)
         return re.sub(r"(experts\.\d+\.)(w1|w2|w3)(?=\.|$)", lambda m: m.group(1) + self._TO_MODEL[m.group(2)], name)
 
+    def decoder_layout(self, model: nn.Module) -> DecoderLayout:
+        # Mixtral's attention uses config.sliding_window whenever it is set (its "main diff with Llama")
+        return replace(super().decoder_layout(model), sliding_window=getattr(model.config, "sliding_window", None))
+
+    def moe_layout(self, config) -> MoELayout:
+        return replace(super().moe_layout(config), renormalize=True)  # softmax -> top-k -> renormalise, always
+
 
 class Qwen2MoEAdapter(MoEAdapter):
     model_types = ("qwen2_moe",)
@@ -151,6 +173,12 @@ class OlmoeAdapter(MoEAdapter):
 
     def attention(self, layer: nn.Module) -> AttentionBlock | None:
         return None  # q_norm/k_norm over the whole projection: run the module whole
+
+    def decoder_layout(self, model: nn.Module) -> DecoderLayout:
+        if getattr(model.config, "clip_qkv", None) is not None:
+            raise QuantkitError("the engine does not run OLMoE with clip_qkv set yet")
+        layout = super().decoder_layout(model)
+        return replace(layout, attention=replace(layout.attention, qk_norm_whole=True))
 
 
 Q_A, Q_B, Q_PLAIN = "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.q_proj"
@@ -185,3 +213,14 @@ class DeepseekV3Adapter(MoEAdapter):
 
     def attention(self, layer: nn.Module) -> AttentionBlock | None:
         return None  # MLA: run the module whole
+
+    def decoder_layout(self, model: nn.Module) -> DecoderLayout:
+        raise QuantkitError("the engine does not run DeepSeek-V3's multi-head latent attention (MLA) yet; "
+                            "use quantkit.load with transformers' generate, or quantkit eval without --engine")
+
+    def moe_layout(self, config) -> MoELayout:
+        """Sigmoid scores; the choice on score + e_score_correction_bias, limited to the topk_group groups
+        whose best two scores sum highest; weights the chosen scores, renormalised, times routed_scaling_factor."""
+        return replace(super().moe_layout(config), scoring=SIGMOID_GROUPED, score_bias="mlp.gate.e_score_correction_bias",
+                       n_group=int(config.n_group), topk_group=int(config.topk_group),
+                       scaling=float(config.routed_scaling_factor))
