@@ -126,7 +126,7 @@ def _to_layout(folder, cfg, model, state, qws, target, output, stage, overwrite)
     (stage / "config.json").write_text(json.dumps({**cfg, "quantization_config": qcfg}, indent=2, sort_keys=True) + "\n")
     _carry_files(folder, stage)
     method = {"method": "convert", "source": str(folder), "source_format": source_q.get("quant_method")}
-    (stage / "README.md").write_text(model_card(str(folder), fmt.NAME, method, qcfg, specs, None))
+    (stage / "README.md").write_text(model_card(str(folder), fmt.NAME, method, qcfg, specs))
     normal_permissions(stage)
     replace_dir(stage, output)
     return {}
