@@ -86,6 +86,7 @@ def quantize(
     save_dtype = parse_dtype(dtype) or source_dtype(hf_model.config)
     adapter = get_adapter(hf_model)
     experts, schemes = _expert_policy(plan, adapter, hf_model, layer_source), _linear_schemes(plan, hf_model, adapter)
+    serving = vllm_moe_serving(plan, adapter, hf_model, schemes) if experts is not None else None
     if output is None:
         output = _default_output(base_name, plan, schemes)
         _check_output(output, overwrite, resume)
@@ -94,6 +95,8 @@ def quantize(
     store = _progress_store(output, model, plan, save_dtype, cal_batch, input_ids, resume)
     job = dict(device=torch.device(device or "cpu"), batch_size=cal_batch or 1, progress=progress, store=store,
                layer_source=layer_source, experts=experts, stats={})
+    if serving is not None:
+        job["serving"] = serving
     with bounded_heap() if layer_source is not None else contextlib.nullcontext():  # scoped to this run
         moe = _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job, output, tokenizer,
                                    base_name, save_dtype, max_shard_size, overwrite)
@@ -127,7 +130,29 @@ def _expert_policy(plan, adapter, hf_model, layer_source):
     return c.expert_policy() if c is not None else ExpertPolicy()
 
 
-def moe_report(adapter, prefix: str, policy, stats: dict[int, dict], plan) -> dict[str, Any]:
+def vllm_moe_serving(plan, adapter, hf_model, schemes: dict) -> dict[str, Any]:
+    """Which vLLM fused-MoE kernel will serve the experts (quantkit.formats.vllm_moe), with a notice
+    when none will: the checkpoint still loads in quantkit (and, compressed-tensors, in transformers)."""
+    from quantkit.formats.vllm_moe import moe_kernel
+    from quantkit.notices import notice
+    from quantkit.qtensor import LinearSpec
+
+    prefix, shapes = adapter.layers_prefix(hf_model), adapter.linear_shapes(hf_model)
+    for i, layer in enumerate(adapter.decoder_layers(hf_model)):
+        for block in adapter.moe_blocks(layer):
+            name = f"{prefix}.{i}.{block.expert_linear(0, 'down_proj')}"
+            if name not in schemes:
+                continue
+            (hidden, width), s = shapes[name], schemes[name]
+            spec = plan.recipe.planned_spec(hidden, width, s)
+            kernel, why = moe_kernel(plan.format, spec, hidden, width)
+            if kernel is None:
+                notice(f"quantkit: vLLM will not serve these experts ({why}); quantkit.load runs them")
+            return {"vllm_moe_kernel": kernel, "why": why}
+    return {"vllm_moe_kernel": None, "why": "no quantized experts"}
+
+
+def moe_report(adapter, prefix: str, policy, stats: dict[int, dict], plan, serving=None) -> dict[str, Any]:
     """What `quantize --json`, the model card and `inspect` show of a MoE run: the policy, and per
     layer the min/median/max tokens per expert and every expert quantized without calibration."""
     from quantkit.pipeline.experts import summarize
@@ -139,6 +164,7 @@ def moe_report(adapter, prefix: str, policy, stats: dict[int, dict], plan) -> di
     if plan.calibration is not None:
         report = {"calibration": policy.mode, "min_tokens": policy.min_tokens,
                   "uncalibrated_method": plan.recipe.uncalibrated_method}
+    report.update(serving or {})
     report["layers"] = summarize({i: s.get("experts", {}) for i, s in stats.items()}, name_of)
     report["per_expert"] = {name_of(i, block, None): entry for i, s in sorted(stats.items())
                             for block, entry in s.get("experts", {}).items()}
@@ -216,12 +242,12 @@ def _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job: dict,
     from quantkit.checkpoint import write_checkpoint
     from quantkit.pipeline import quantize_model
 
-    store = job["store"]
+    store, serving = job["store"], job.pop("serving", None)
     try:
         quantize_model(hf_model, adapter, plan.recipe, schemes, input_ids, release_layers=True, **job)
         ignore_names = sorted({n for n in adapter.linear_shapes(hf_model) if n not in schemes}
                               | set(adapter.full_precision_modules(hf_model)))
-        moe = (moe_report(adapter, adapter.layers_prefix(hf_model), job["experts"], job["stats"], plan)
+        moe = (moe_report(adapter, adapter.layers_prefix(hf_model), job["experts"], job["stats"], plan, serving)
                if job["experts"] is not None else None)
         if plan.gguf_type is not None:
             _write_gguf(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), plan.gguf_type,

@@ -254,6 +254,10 @@ def moe_card_section(moe: dict[str, Any]) -> str:
     if "min_tokens" in moe:
         lines.append(f"- experts with fewer than {moe['min_tokens']} calibration tokens: quantized with "
                      f"`{moe['uncalibrated_method']}` (no calibration)")
+    if "vllm_moe_kernel" in moe:
+        kernel = moe["vllm_moe_kernel"]
+        lines.append(f"- vLLM fused-MoE kernel: `{kernel}` ({moe['why']})" if kernel else
+                     f"- vLLM: no fused-MoE kernel takes these experts ({moe['why']}); quantkit.load runs them")
     layers = moe.get("layers") or {}
     if layers:
         lines += ["", "| layer | experts | tokens per expert (min / median / max) | quantized without calibration |",
@@ -262,7 +266,9 @@ def moe_card_section(moe: dict[str, Any]) -> str:
             left = ", ".join(f"`{n}`" for n in r["uncalibrated"]) or "none"
             lines.append(f"| `{name}` | {r['num_experts']} | {r['tokens_min']} / {r['tokens_median']} / "
                          f"{r['tokens_max']} | {left} |")
-    lines += ["", f"Per-expert counts: `{MOE_REPORT}`.", ""]
+    lines += ["", f"Per-expert counts: `{MOE_REPORT}`. Experts are stored per expert (`experts.{{e}}.<projection>`); "
+              "transformers loads them from compressed-tensors only (its gptq and awq integrations have no "
+              "per-expert path), quantkit.load and vLLM from every layout.", ""]
     return "\n".join(lines)
 
 

@@ -361,6 +361,24 @@ def test_quantization_config_keeps_routers_and_shared_expert_gates_in_full_preci
     assert "model.layers.1.mlp.shared_expert.gate_proj.qweight" in keys
 
 
+def test_vllm_moe_kernel_verdicts():
+    """What vLLM's fused-MoE kernels take (read from vLLM's marlin_utils / moe_wna16): the checkpoint
+    says so instead of leaving the user to find out at serving time."""
+    from quantkit.formats.spec import LinearSpec
+    from quantkit.formats.vllm_moe import MARLIN, WNA16, moe_kernel
+
+    def spec(bits=4, gs=128, sym=True, act="none"):
+        return LinearSpec(512, 256, bits, gs, sym, act_order=act)
+
+    assert moe_kernel("gptq", spec(), 512, 256)[0] == MARLIN
+    assert moe_kernel("gptq", spec(act="static"), 512, 256)[0] == MARLIN  # Marlin MoE takes act-order
+    assert moe_kernel("compressed-tensors", spec(bits=8, gs=-1), 512, 256)[0] == MARLIN
+    assert moe_kernel("gptq", spec(bits=3), 512, 256) == (None, "vLLM's MoE kernels take 4- and 8-bit experts, not 3-bit")
+    assert moe_kernel("gptq", spec(sym=False), 512, 256)[0] == WNA16  # Marlin gptq is symmetric only
+    assert moe_kernel("gptq", spec(act="static"), 512, 96)[0] is None  # off Marlin's shapes, act-order on
+    assert moe_kernel("gptq", spec(bits=8, gs=64), 576, 96)[0] is None
+
+
 # ------------------------------------------------------------------------------ the CLI and the plan
 
 def test_cli_json_and_inspect_show_tokens_per_expert(model_dir, tmp_path):
@@ -467,3 +485,20 @@ def test_engine_refuses_deepseek_mla_clearly():
 
     with pytest.raises(QuantkitError, match="MLA"):
         LLMEngine(build("deepseek_v3"), num_kv_blocks=16)
+
+
+def test_convert_repacks_moe_checkpoints_and_round_trips_bytes(model_dir, tmp_path):
+    from quantkit.convert import convert
+
+    gptq = tmp_path / "gptq"
+    quantkit.quantize(str(model_dir("mixtral")), "rtn", bits=4, group_size=32, output=gptq, progress=False)
+    convert(gptq, "compressed-tensors", tmp_path / "ct")
+    convert(tmp_path / "ct", "gptq", tmp_path / "back")
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == (gptq / "model.safetensors").read_bytes()
+    tokens = ids(1, 12, seed=7)
+    with torch.no_grad():
+        a = quantkit.load(gptq, backend="reference", dtype="float32")(tokens).logits
+        b = quantkit.load(tmp_path / "ct", backend="reference", dtype="float32")(tokens).logits
+    assert torch.equal(a, b)
+    with pytest.raises(QuantkitError, match="GGUF"):
+        convert(gptq, "gguf", tmp_path / "g")
