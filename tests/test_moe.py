@@ -377,6 +377,9 @@ def test_vllm_moe_kernel_verdicts():
     assert moe_kernel("gptq", spec(sym=False), 512, 256)[0] == WNA16  # Marlin gptq is symmetric only
     assert moe_kernel("gptq", spec(act="static"), 512, 96)[0] is None  # off Marlin's shapes, act-order on
     assert moe_kernel("gptq", spec(bits=8, gs=64), 576, 96)[0] is None
+    w8a8 = LinearSpec(512, 256, 8, -1, True, input_quant="token")
+    assert moe_kernel("compressed-tensors", w8a8, 512, 256)[0] == "w8a8_int8"
+    assert moe_kernel("compressed-tensors", LinearSpec(512, 256, 8, -1, True, input_quant="tensor"), 512, 256)[0] is None
 
 
 # ------------------------------------------------------------------------------ the CLI and the plan
@@ -502,3 +505,24 @@ def test_convert_repacks_moe_checkpoints_and_round_trips_bytes(model_dir, tmp_pa
     assert torch.equal(a, b)
     with pytest.raises(QuantkitError, match="GGUF"):
         convert(gptq, "gguf", tmp_path / "g")
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_smoothquant_smoothing_reaches_the_router_and_keeps_the_function(family):
+    """SmoothQuant's scale on the post-attention norm, read at the MoE block's input (an expert sees only
+    its tokens), folds into every expert, the shared expert and the router: the smoothed model computes
+    what the original did."""
+    from quantkit.pipeline.driver import transform_model
+    from quantkit.quantizers.smoothquant import SmoothQuantTransform
+
+    model = build(family)
+    calib = ids(4, 32, seed=8)
+    router = model.model.layers[1].mlp.gate.weight
+    original_router = router.detach().clone()
+    with torch.no_grad():
+        before = model(calib).logits
+    sq = SmoothQuantTransform()
+    transform_model(model, sq, calib, batch_size=2)
+    assert not torch.allclose(router, original_router)  # a real scale went into it
+    with torch.no_grad():
+        torch.testing.assert_close(model(calib).logits, before, rtol=1e-5, atol=1e-5)

@@ -8,6 +8,8 @@ fused MoE layer, and one kernel must take all of them (`vllm/model_executor/laye
   pack-quantized (`compressed_tensors_moe`).
 - otherwise `moe_wna16` (Triton): gptq with desc_act off (8-bit only per channel), awq 4-bit,
   compressed-tensors pack-quantized 4/8-bit.
+- W8A8 (compressed-tensors int-quantized, `CompressedTensorsW8A8Int8MoEMethod`): int8 per-channel
+  weights with dynamic per-token activations only (static input scales are refused).
 Nothing takes 2- or 3-bit experts. quantkit.load runs every scheme; this only says what vLLM will.
 """
 from __future__ import annotations
@@ -16,11 +18,15 @@ from typing import Optional
 
 from quantkit.formats.spec import LinearSpec
 
-MARLIN, WNA16 = "marlin", "moe_wna16"
+MARLIN, WNA16, W8A8_INT8 = "marlin", "moe_wna16", "w8a8_int8"
 
 
 def moe_kernel(fmt: str, spec: LinearSpec, hidden: int, intermediate: int, tp: int = 1) -> tuple[Optional[str], str]:
     """(kernel, why): the vLLM MoE kernel for experts stored as `spec` in format `fmt`, or (None, reason)."""
+    if spec.input_quant is not None:
+        if spec.input_quant == "token":
+            return W8A8_INT8, "int8 per-channel weights, dynamic per-token int8 activations"
+        return None, "vLLM's int8 MoE method takes dynamic per-token activations only, not static input scales"
     if spec.bits not in (4, 8):
         return None, f"vLLM's MoE kernels take 4- and 8-bit experts, not {spec.bits}-bit"
     g = spec.group_size
