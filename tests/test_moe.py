@@ -526,3 +526,27 @@ def test_smoothquant_smoothing_reaches_the_router_and_keeps_the_function(family)
     assert not torch.allclose(router, original_router)  # a real scale went into it
     with torch.no_grad():
         torch.testing.assert_close(model(calib).logits, before, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_resume_restores_experts_and_their_counts_byte_for_byte(model_dir, tmp_path, monkeypatch):
+    """Interrupted after layer 0: the resumed run restores that layer's per-expert results and token
+    counts from the progress record and writes the same bytes as an uninterrupted run."""
+    from quantkit.progress import ProgressStore
+
+    args = dict(num_samples=4, seq_len=32, progress=False, moe_calibration="routed", moe_min_tokens=40)
+    src = str(model_dir("olmoe"))
+    ref = quantkit.quantize(src, "gptq", bits=4, group_size=32, output=tmp_path / "ref", **args)
+    save = ProgressStore.save_layer
+
+    def save_then_stop(self, record):
+        save(self, record)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ProgressStore, "save_layer", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(src, "gptq", bits=4, group_size=32, output=tmp_path / "out", **args)
+    monkeypatch.setattr(ProgressStore, "save_layer", save)
+    resumed = quantkit.quantize(src, "gptq", bits=4, group_size=32, output=tmp_path / "out", resume=True, **args)
+    assert resumed["moe"]["layers"] == ref["moe"]["layers"]
+    for f in ("model.safetensors", "README.md", "moe_calibration.json", "config.json"):
+        assert (tmp_path / "out" / f).read_bytes() == (tmp_path / "ref" / f).read_bytes(), f
