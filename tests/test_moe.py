@@ -550,3 +550,23 @@ def test_moe_resume_restores_experts_and_their_counts_byte_for_byte(model_dir, t
     assert resumed["moe"]["layers"] == ref["moe"]["layers"]
     for f in ("model.safetensors", "README.md", "moe_calibration.json", "config.json"):
         assert (tmp_path / "out" / f).read_bytes() == (tmp_path / "ref" / f).read_bytes(), f
+
+
+def test_awq_checkpoint_of_a_moe_model_loads_with_its_folded_router(model_dir, tmp_path):
+    """AWQ in its own layout: per-expert GEMM tensors under Mixtral's names, the router (carrying the
+    folded scale) kept in full precision and declared so, and the model still computes the original."""
+    source = model_dir("mixtral")
+    out = tmp_path / "awq"
+    quantkit.quantize(str(source), "awq", bits=4, group_size=32, output=out, num_samples=4, seq_len=32, progress=False)
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "awq" and "model.layers.1.block_sparse_moe.gate" in cfg["modules_to_not_convert"]
+    tensors = load_file(str(out / "model.safetensors"))
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.qweight" in tensors
+    original = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    assert not torch.allclose(tensors["model.layers.1.block_sparse_moe.gate.weight"].float(),
+                              original.model.layers[1].mlp.gate.weight)
+    tokens = ids(2, 16, seed=9)
+    with torch.no_grad():
+        a = quantkit.load(out, backend="reference", dtype="float32")(tokens).logits
+        b = original(tokens).logits
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99

@@ -106,9 +106,10 @@ class LayerExperts:
                 b.counting = False
 
     def falls_back(self, name: str) -> bool:
-        """Whether linear `name` (relative to the layer) is quantized without calibration: an
-        expert's projection when it saw fewer than min_tokens in the pass that calibrated it, and
-        every expert when the recipe reads no data (nothing to fall back from then)."""
+        """Whether linear `name` (relative to the layer) is to be quantized without calibration: an
+        expert's projection whose expert saw fewer than min_tokens in the pass that calibrated it
+        (never when the recipe reads no data: then nothing is calibrated anyway). A yes is recorded
+        for `stats`."""
         found = self.expert_of.get(name)
         if found is None or not self.calibrated:
             return False
