@@ -10,7 +10,9 @@ Routing (``quantkit.models.layout.MoELayout.scoring``), as transformers 5.24's r
   biased scores sum highest; the weights are the chosen s (not biased), divided by their sum
   (+1e-20) when ``renormalize``, times ``scaling`` (routed_scaling_factor).
 Experts are per-expert linears (a loaded quantized model: each a QuantLinear, called through its
-backend's direct entry) or transformers' fused 3-D weights, sliced per expert.
+backend's direct entry) or transformers' fused 3-D weights, sliced per expert. The top-k weights
+stay fp32 (as Mixtral and DeepSeek keep them; the Qwens and OLMoE round them to the model dtype
+first, which in a bf16 model differs in the last bits).
 """
 from __future__ import annotations
 
