@@ -50,6 +50,8 @@ def quantize(
     resume: bool = False,
     streaming: Optional[bool] = None,
     gguf_type: Optional[str] = None,
+    moe_calibration: Optional[str] = None,
+    moe_min_tokens: Optional[int] = None,
 ) -> dict[str, Any]:
     """Quantize `model` with `method` and write a packed checkpoint; returns a summary dict.
 
@@ -61,7 +63,9 @@ def quantize(
     Progress is kept per layer in the output's hidden staging folder: after a crash, the
     same call with `resume=True` continues from the last finished layer and writes identical bytes.
     `streaming=None` reads decoder layers from disk one at a time when the model would not fit
-    comfortably in memory (True/False force it)."""
+    comfortably in memory (True/False force it). Mixture-of-Experts models are calibrated per expert:
+    `moe_calibration` "routed" (each expert on the tokens routed to it; one that got fewer than
+    `moe_min_tokens` is quantized without calibration) or "all" (every token through every expert)."""
     from quantkit.models import get_adapter
     from quantkit.plan import resolve_plan
     from quantkit.sources import load_source_model, parse_dtype, source_dtype
@@ -71,7 +75,8 @@ def quantize(
     plan = resolve_plan(method, recipe_file=recipe, options=options, bits=bits, group_size=group_size, sym=sym,
                         ignore=ignore, format=format, gguf_type=gguf_type,
                         calibration={"dataset": dataset, "num_samples": num_samples, "seq_len": seq_len, "seed": seed,
-                                     "chat_template": chat_template, "batch_size": batch_size})
+                                     "chat_template": chat_template, "batch_size": batch_size,
+                                     "moe_calibration": moe_calibration, "moe_min_tokens": moe_min_tokens})
     if output is not None:
         _check_output(Path(output), overwrite, resume)
     # held in its storage dtype (bf16 halves the resident model); each decoder layer is cast to fp32
@@ -79,7 +84,9 @@ def quantize(
     hf_model, tokenizer, base_name, layer_source = load_source_model(
         model, dtype=None, trust_remote_code=trust_remote_code, streaming=streaming)
     save_dtype = parse_dtype(dtype) or source_dtype(hf_model.config)
-    schemes = _linear_schemes(plan, hf_model)
+    adapter = get_adapter(hf_model)
+    experts, schemes = _expert_policy(plan, adapter, hf_model, layer_source), _linear_schemes(plan, hf_model, adapter)
+    serving = vllm_moe_serving(plan, adapter, hf_model, schemes) if experts is not None else None
     if output is None:
         output = _default_output(base_name, plan, schemes)
         _check_output(output, overwrite, resume)
@@ -87,15 +94,81 @@ def quantize(
     input_ids, cal_batch = _calibration_set(plan, hf_model, tokenizer)
     store = _progress_store(output, model, plan, save_dtype, cal_batch, input_ids, resume)
     job = dict(device=torch.device(device or "cpu"), batch_size=cal_batch or 1, progress=progress, store=store,
-               layer_source=layer_source)
+               layer_source=layer_source, experts=experts, stats={})
+    if serving is not None:
+        job["serving"] = serving
     with bounded_heap() if layer_source is not None else contextlib.nullcontext():  # scoped to this run
-        _calibrate_and_write(hf_model, get_adapter(hf_model), plan, schemes, input_ids, job, output, tokenizer,
-                             base_name, save_dtype, max_shard_size, overwrite)
+        moe = _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job, output, tokenizer,
+                                   base_name, save_dtype, max_shard_size, overwrite)
     metrics = None
     if eval_after:
         del hf_model
         metrics = _record_quality(output, model, plan, device)
-    return _summary(output, plan, schemes, layer_source, cal_batch, t0, metrics)
+    return {**_summary(output, plan, schemes, layer_source, cal_batch, t0, metrics), **({"moe": moe} if moe else {})}
+
+
+def _expert_policy(plan, adapter, hf_model, layer_source):
+    """The MoE calibration policy, None for a dense model (where MoE settings are refused)."""
+    from quantkit.pipeline.experts import ExpertPolicy
+
+    moe = any(adapter.moe_blocks(layer) for layer in adapter.decoder_layers(hf_model))
+    c = plan.calibration
+    if not moe:
+        if c is not None and c.moe_given():
+            raise QuantkitError(f"--moe-calibration/--moe-min-tokens apply to Mixture-of-Experts models; "
+                                f"{hf_model.config.model_type} has no experts: drop them")
+        return None
+    if layer_source is not None:
+        raise QuantkitError("streaming Mixture-of-Experts models is not supported yet; pass --no-streaming "
+                            "(the model is then held in memory)")
+    if plan.recipe.needs_reference_inputs:
+        raise QuantkitError(f"method {plan.recipe.name!r} compares each linear's input with the unquantized "
+                            "model's, which routed experts do not share (the routing differs); drop gptaq")
+    if plan.gguf_type is not None:
+        raise QuantkitError("GGUF export of Mixture-of-Experts models is not supported (llama.cpp stores experts "
+                            "as 3-D tensors); use --format gptq, awq or compressed-tensors")
+    return c.expert_policy() if c is not None else ExpertPolicy()
+
+
+def vllm_moe_serving(plan, adapter, hf_model, schemes: dict) -> dict[str, Any]:
+    """Which vLLM fused-MoE kernel will serve the experts (quantkit.formats.vllm_moe), with a notice
+    when none will: the checkpoint still loads in quantkit (and, compressed-tensors, in transformers)."""
+    from quantkit.formats.vllm_moe import moe_kernel
+    from quantkit.notices import notice
+    from quantkit.qtensor import LinearSpec
+
+    prefix, shapes = adapter.layers_prefix(hf_model), adapter.linear_shapes(hf_model)
+    for i, layer in enumerate(adapter.decoder_layers(hf_model)):
+        for block in adapter.moe_blocks(layer):
+            name = f"{prefix}.{i}.{block.expert_linear(0, 'down_proj')}"
+            if name not in schemes:
+                continue
+            (hidden, width), s = shapes[name], schemes[name]
+            spec = plan.recipe.planned_spec(hidden, width, s)
+            kernel, why = moe_kernel(plan.format, spec, hidden, width)
+            if kernel is None:
+                notice(f"quantkit: vLLM will not serve these experts ({why}); quantkit.load runs them")
+            return {"vllm_moe_kernel": kernel, "why": why}
+    return {"vllm_moe_kernel": None, "why": "no quantized experts"}
+
+
+def moe_report(adapter, prefix: str, policy, stats: dict[int, dict], plan, serving=None) -> dict[str, Any]:
+    """What `quantize --json`, the model card and `inspect` show of a MoE run: the policy, and per
+    layer the min/median/max tokens per expert and every expert quantized without calibration."""
+    from quantkit.pipeline.experts import summarize
+
+    def name_of(index: int, block: str, e) -> str:
+        return adapter.checkpoint_name(f"{prefix}.{index}.{block}" + ("" if e is None else f".{e}"))
+
+    report: dict[str, Any] = {"calibration": "none (the method reads no data)"}
+    if plan.calibration is not None:
+        report = {"calibration": policy.mode, "min_tokens": policy.min_tokens,
+                  "uncalibrated_method": plan.recipe.uncalibrated_method}
+    report.update(serving or {})
+    report["layers"] = summarize({i: s.get("experts", {}) for i, s in stats.items()}, name_of)
+    report["per_expert"] = {name_of(i, block, None): entry for i, s in sorted(stats.items())
+                            for block, entry in s.get("experts", {}).items()}
+    return report
 
 
 def _check_output(output: Path, overwrite: bool, resume: bool) -> None:
@@ -106,11 +179,12 @@ def _check_output(output: Path, overwrite: bool, resume: bool) -> None:
     ProgressStore(staging_dir(output)).check_leftover(resume)
 
 
-def _linear_schemes(plan, hf_model) -> dict:
-    """Every target linear's scheme; what the format cannot store is refused before calibrating."""
+def _linear_schemes(plan, hf_model, adapter) -> dict:
+    """Every target linear's scheme (routed experts as per-expert linears); what the format cannot
+    store is refused before calibrating."""
     from quantkit.formats import get_format
 
-    shapes = linear_shapes(hf_model)
+    shapes = adapter.linear_shapes(hf_model)
     schemes = plan.scheme.resolve(shapes)
     if plan.gguf_type is not None:  # each linear on the grid of the type llama-quantize would give it
         from quantkit.gguf_export import linear_schemes
@@ -163,25 +237,31 @@ def _progress_store(output: Path, model: str, plan, save_dtype, batch_size, inpu
 
 
 def _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job: dict, output: Path, tokenizer,
-                         base_name: str, save_dtype, max_shard_size: str, overwrite: bool) -> None:
+                         base_name: str, save_dtype, max_shard_size: str, overwrite: bool) -> Optional[dict]:
+    """Calibrate, then write the checkpoint; returns a MoE model's calibration report (None if dense)."""
     from quantkit.checkpoint import write_checkpoint
     from quantkit.pipeline import quantize_model
 
-    store = job["store"]
+    store, serving = job["store"], job.pop("serving", None)
     try:
         quantize_model(hf_model, adapter, plan.recipe, schemes, input_ids, release_layers=True, **job)
-        ignore_names = sorted(n for n in linear_shapes(hf_model) if n not in schemes)
+        ignore_names = sorted({n for n in adapter.linear_shapes(hf_model) if n not in schemes}
+                              | set(adapter.full_precision_modules(hf_model)))
+        moe = (moe_report(adapter, adapter.layers_prefix(hf_model), job["experts"], job["stats"], plan, serving)
+               if job["experts"] is not None else None)
         if plan.gguf_type is not None:
             _write_gguf(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), plan.gguf_type,
                         plan.method_info(), base_name, overwrite)
         else:
             write_checkpoint(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), plan.format,
                              plan.method_info(), plan.recipe.format_extra(), base_name, save_dtype, ignore_names,
-                             max_shard_size=max_shard_size, overwrite=overwrite)
+                             max_shard_size=max_shard_size, overwrite=overwrite, rename=adapter.checkpoint_name,
+                             moe=moe)
     except QuantkitError:
         if not store.done_layers():
             shutil.rmtree(store.folder, ignore_errors=True)  # nothing worth resuming: leave no trace
         raise
+    return moe
 
 
 def _summary(output: Path, plan, schemes: dict, layer_source, cal_batch, t0: float, metrics) -> dict[str, Any]:

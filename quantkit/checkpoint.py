@@ -41,16 +41,19 @@ PACKED_DIR = "packed"  # per-layer packed tensors, written during the final writ
 
 
 def plan_tensors(model, store: ProgressStore, layers_prefix: str, format_name: str, save_dtype: torch.dtype,
-                 scratch: Path) -> tuple[dict[str, tuple[Optional[Path], torch.dtype, tuple[int, ...]]], dict[str, LinearSpec]]:
+                 scratch: Path, rename=None) -> tuple[dict[str, tuple[Optional[Path], torch.dtype, tuple[int, ...]]],
+                                                      dict[str, LinearSpec]]:
     """Every tensor of the checkpoint as name -> (where it lives, dtype, shape), in state-dict order.
 
     Unquantized non-layer tensors stay in the model (where = None) and are cast to `save_dtype`
     only when written. Each decoder layer is read from its progress record, its quantized linears
     are packed by the format module (the same one the loader unpacks with), and the result goes to
-    `scratch/layer-*.safetensors`: only one layer is ever in memory, whatever the model's depth."""
+    `scratch/layer-*.safetensors`: only one layer is ever in memory, whatever the model's depth.
+    `rename` gives a layer tensor's name in the family's checkpoints (Mixtral's block_sparse_moe.w1)."""
     from safetensors.torch import save_file
 
     fmt = get_format(format_name)
+    rename = rename or (lambda name: name)
     entries: dict[str, tuple[Optional[Path], torch.dtype, tuple[int, ...]]] = {}
     specs: dict[str, LinearSpec] = {}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -63,13 +66,14 @@ def plan_tensors(model, store: ProgressStore, layers_prefix: str, format_name: s
         record = store.load_layer(index)
         packed: dict[str, torch.Tensor] = {}
         for name, qw in record.quantized.items():
+            name = rename(name)
             for suffix, tensor in fmt.pack(qw).items():
                 packed[f"{name}.{suffix}"] = tensor.contiguous()
             if qw.bias is not None:
                 packed[f"{name}.bias"] = qw.bias.to(torch.float16).contiguous()
             specs[name] = LinearSpec.of(qw)
         for key, tensor in record.other.items():
-            packed[key] = _cast(tensor, save_dtype)
+            packed[rename(key)] = _cast(tensor, save_dtype)
         path = scratch / f"layer-{index:05d}.safetensors"
         save_file(packed, str(path))
         for key, tensor in packed.items():
@@ -98,18 +102,22 @@ def write_checkpoint(
     ignore: list[str],
     max_shard_size: str = "5GB",
     overwrite: bool = False,
+    rename=None,
+    moe: Optional[dict[str, Any]] = None,
 ) -> Path:
-    """Write the checkpoint into the run's staging folder, drop the progress files, rename into place."""
+    """Write the checkpoint into the run's staging folder, drop the progress files, rename into place.
+    `rename` maps layer tensor names to the family's checkpoint names; `moe` is a MoE run's report
+    (model card section and MOE_REPORT)."""
     output = Path(output)
     check_output_dir(output, overwrite)
     fmt = get_format(format_name)
     stage = store.folder
     for stale in [p for p in stage.iterdir() if p.name not in (LAYER_DIR, RUN_FILE)]:
         shutil.rmtree(stale) if stale.is_dir() else stale.unlink()  # a crash during an earlier final write
-    entries, specs = plan_tensors(model, store, layers_prefix, format_name, save_dtype, stage / PACKED_DIR)
+    entries, specs = plan_tensors(model, store, layers_prefix, format_name, save_dtype, stage / PACKED_DIR, rename)
     _save_sharded(entries, model, save_dtype, stage, max_shard_size)
     shutil.rmtree(stage / PACKED_DIR)
-    qcfg = fmt.quantization_config(specs, ignore, format_extra)
+    qcfg = fmt.quantization_config(specs, [rename(n) for n in ignore] if rename else ignore, format_extra)
     _save_config(model, stage, qcfg, save_dtype)
     if tokenizer is not None:
         tokenizer.save_pretrained(stage)
@@ -119,7 +127,11 @@ def write_checkpoint(
             gen.save_pretrained(stage)
         except (ValueError, OSError):
             pass
-    (stage / "README.md").write_text(model_card(base_model, format_name, method, qcfg, specs))
+    card = model_card(base_model, format_name, method, qcfg, specs)
+    if moe is not None:
+        card += moe_card_section(moe)
+        (stage / MOE_REPORT).write_text(json.dumps(moe, indent=1, sort_keys=True) + "\n")
+    (stage / "README.md").write_text(card)
     shutil.rmtree(stage / LAYER_DIR)
     (stage / RUN_FILE).unlink()
     normal_permissions(stage)
@@ -230,6 +242,34 @@ def replace_dir(stage: Path, output: Path) -> None:
     os.replace(stage, output)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+MOE_REPORT = "moe_calibration.json"  # per layer and expert: calibration tokens, routing, experts left uncalibrated
+
+
+def moe_card_section(moe: dict[str, Any]) -> str:
+    """The model card's Mixture-of-Experts section: how experts were calibrated, per layer the
+    min/median/max tokens per expert, and every expert quantized without calibration."""
+    lines = ["", "## Mixture of experts", "", f"- expert calibration: `{moe['calibration']}`"]
+    if "min_tokens" in moe:
+        lines.append(f"- experts with fewer than {moe['min_tokens']} calibration tokens: quantized with "
+                     f"`{moe['uncalibrated_method']}` (no calibration)")
+    if "vllm_moe_kernel" in moe:
+        kernel = moe["vllm_moe_kernel"]
+        lines.append(f"- vLLM fused-MoE kernel: `{kernel}` ({moe['why']})" if kernel else
+                     f"- vLLM: no fused-MoE kernel takes these experts ({moe['why']}); quantkit.load runs them")
+    layers = moe.get("layers") or {}
+    if layers:
+        lines += ["", "| layer | experts | tokens per expert (min / median / max) | quantized without calibration |",
+                  "|---|---|---|---|"]
+        for name, r in layers.items():
+            left = ", ".join(f"`{n}`" for n in r["uncalibrated"]) or "none"
+            lines.append(f"| `{name}` | {r['num_experts']} | {r['tokens_min']} / {r['tokens_median']} / "
+                         f"{r['tokens_max']} | {left} |")
+    lines += ["", f"Per-expert counts: `{MOE_REPORT}`. Experts are stored per expert (`experts.{{e}}.<projection>`); "
+              "transformers loads them from compressed-tensors only (its gptq and awq integrations have no "
+              "per-expert path), quantkit.load and vLLM from every layout.", ""]
+    return "\n".join(lines)
 
 
 def append_card_metrics(folder: Path, metrics: dict[str, Any]) -> None:

@@ -76,10 +76,15 @@ def cli():
 @click.option("--static-groups/--no-static-groups", default=None,
               help="GPTQ: group scales computed up front, keeping act-order's g_idx trivial (default on).")
 @click.option("--mse", is_flag=True, help="GPTQ: search a shrunk group range with the lowest reconstruction error.")
+@click.option("--moe-calibration", type=click.Choice(["routed", "all"]), default=None,
+              help="MoE models: calibrate each expert on the tokens routed to it (routed, the default) or on every "
+                   "token (all; the block's output stays the routed one).")
+@click.option("--moe-min-tokens", type=int, default=None,
+              help="MoE models, routed: an expert with fewer calibration tokens is quantized with RTN (default 8).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line of stdout.")
 def quantize(model, method, bits, group_size, sym, format_, gguf_type, recipe, dataset, num_samples, seq_len, seed, chat_template,
              ignore, options, output, overwrite, dtype, device, trust_remote_code, max_shard_size, batch_size, eval_after,
-             resume, streaming, offload_hessians, desc_act, static_groups, mse, as_json):
+             resume, streaming, offload_hessians, desc_act, static_groups, mse, moe_calibration, moe_min_tokens, as_json):
     """Quantize a model and write a packed checkpoint."""
     from quantkit import api
 
@@ -92,7 +97,7 @@ def quantize(model, method, bits, group_size, sym, format_, gguf_type, recipe, d
                                                                                mse=mse), output=output,
         overwrite=overwrite, dtype=dtype, device=device, trust_remote_code=trust_remote_code, max_shard_size=max_shard_size,
         batch_size=batch_size, eval_after=eval_after, progress=not as_json, resume=resume, streaming=streaming,
-        gguf_type=gguf_type,
+        gguf_type=gguf_type, moe_calibration=moe_calibration, moe_min_tokens=moe_min_tokens,
     )
     rss = result["peak_rss_mb"]
     _emit(result, as_json, f"wrote {result['output']} ({result['method']}, {result['bits']}-bit, group {result['group_size']}, "
@@ -250,7 +255,21 @@ def inspect(path, model, as_json):
     for name, info in r["layers"].items():
         lines.append(f"  {name}: {info['bits']}-bit, group {info['group_size']}, {'sym' if info['sym'] else 'asym'}, "
                      f"{info['shape'][0]}x{info['shape'][1]}")
+    lines += _moe_lines(r.get("moe"))
     _emit(r, as_json, "\n".join(lines))
+
+
+def _moe_lines(moe) -> list[str]:
+    """inspect's view of a MoE checkpoint's calibration: tokens per expert, experts left uncalibrated."""
+    if not moe:
+        return []
+    lines = [f"experts calibrated: {moe['calibration']}"
+             + (f" (fewer than {moe['min_tokens']} tokens: {moe['uncalibrated_method']})" if "min_tokens" in moe else "")]
+    for name, r in (moe.get("layers") or {}).items():
+        left = ", ".join(r["uncalibrated"]) or "none"
+        lines.append(f"  {name}: {r['num_experts']} experts, tokens min/median/max {r['tokens_min']}/"
+                     f"{r['tokens_median']}/{r['tokens_max']}; uncalibrated: {left}")
+    return lines
 
 
 _ON_OFF_FLAGS = ("desc_act", "static_groups")  # --x/--no-x pairs: None when neither was given

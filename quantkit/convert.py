@@ -32,7 +32,7 @@ CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
 def convert(src: Union[str, Path], format: str, output: Union[str, Path], gguf_type: Optional[str] = None,
             overwrite: bool = False) -> dict[str, Any]:
     """Re-pack `src` as `format` ("gptq", "awq", "compressed-tensors" or "gguf") into `output`."""
-    from quantkit.runtime.loader import read_config, resolve_checkpoint, safetensors_files
+    from quantkit.runtime.loader import experts_as_linears, read_config, resolve_checkpoint, safetensors_files
 
     folder = resolve_checkpoint(str(src))
     output = Path(output)
@@ -43,18 +43,22 @@ def convert(src: Union[str, Path], format: str, output: Union[str, Path], gguf_t
     cfg = read_config(folder)
     qcfg = cfg.get("quantization_config") or None
     model = _empty_model(folder)
+    adapter = experts_as_linears(model)  # MoE experts as the per-expert linears checkpoints store
     state = _read_state(safetensors_files(folder))
-    qws = _unpack_all(qcfg, model, state, folder) if qcfg else {}
+    qws = _unpack_all(qcfg, model, adapter, state, folder) if qcfg else {}
     stage = output.parent / f".{output.name}.convert-partial"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     try:
         if target == "gguf":
+            if adapter is not None and any(adapter.moe_blocks(layer) for layer in adapter.decoder_layers(model)):
+                raise QuantkitError("GGUF export of Mixture-of-Experts models is not supported (llama.cpp stores "
+                                    "experts as 3-D tensors); convert to gptq, awq or compressed-tensors")
             kind = _to_gguf(folder, model, state, qws, gguf_type, output, stage, overwrite)
         else:
             if gguf_type is not None:
                 raise QuantkitError("--gguf-type needs --format gguf")
-            kind = _to_layout(folder, cfg, model, state, qws, target, output, stage, overwrite)
+            kind = _to_layout(folder, cfg, model, adapter, state, qws, target, output, stage, overwrite)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -75,16 +79,22 @@ def _empty_model(folder: Path):
         raise QuantkitError(f"{folder}/config.json: cannot build the model ({str(exc).splitlines()[0]})") from None
 
 
+def _checkpoint_linears(model, adapter) -> dict[str, nn.Linear]:
+    """The model's linears by the names its checkpoints give them (Mixtral: block_sparse_moe...w1)."""
+    rename = adapter.checkpoint_name if adapter is not None else (lambda n: n)
+    return {rename(n): m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
 def _read_state(files) -> dict[str, torch.Tensor]:
     from quantkit.runtime.loader import read_state_dict
 
     return read_state_dict(files)
 
 
-def _unpack_all(qcfg: dict, model, state: dict, folder: Path) -> dict[str, QuantizedWeight]:
+def _unpack_all(qcfg: dict, model, adapter, state: dict, folder: Path) -> dict[str, QuantizedWeight]:
     """Every quantized linear of the source as a QuantizedWeight (its format module validates the tensors)."""
     fmt = format_for_quant_method(qcfg)
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linears = _checkpoint_linears(model, adapter)
     specs = fmt.parse_quantization_config(qcfg, list(linears), {n: (m.out_features, m.in_features)
                                                                 for n, m in linears.items()})
     out = {}
@@ -98,7 +108,7 @@ def _unpack_all(qcfg: dict, model, state: dict, folder: Path) -> dict[str, Quant
     return out
 
 
-def _to_layout(folder, cfg, model, state, qws, target, output, stage, overwrite) -> dict:
+def _to_layout(folder, cfg, model, adapter, state, qws, target, output, stage, overwrite) -> dict:
     if not qws:
         raise QuantkitError(f"{folder} is not quantized; convert re-packs quantized checkpoints (use `quantkit "
                             f"quantize --format {target}` to quantize, or `--format gguf --gguf-type F16`)")
@@ -114,7 +124,8 @@ def _to_layout(folder, cfg, model, state, qws, target, output, stage, overwrite)
         specs[name] = LinearSpec.of(qw)
     source_q = cfg["quantization_config"]
     extra = {k: source_q[k] for k in ("true_sequential", "damp_percent") if k in source_q and target == "gptq"}
-    ignore = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in qws)
+    fixed = [adapter.checkpoint_name(n) for n in adapter.full_precision_modules(model)] if adapter is not None else []
+    ignore = sorted({n for n in _checkpoint_linears(model, adapter) if n not in qws} | set(fixed))
     try:
         qcfg = fmt.quantization_config(specs, ignore, extra)
     except QuantkitError as exc:
@@ -126,7 +137,7 @@ def _to_layout(folder, cfg, model, state, qws, target, output, stage, overwrite)
     (stage / "config.json").write_text(json.dumps({**cfg, "quantization_config": qcfg}, indent=2, sort_keys=True) + "\n")
     _carry_files(folder, stage)
     method = {"method": "convert", "source": str(folder), "source_format": source_q.get("quant_method")}
-    (stage / "README.md").write_text(model_card(str(folder), fmt.NAME, method, qcfg, specs, None))
+    (stage / "README.md").write_text(model_card(str(folder), fmt.NAME, method, qcfg, specs))
     normal_permissions(stage)
     replace_dir(stage, output)
     return {}

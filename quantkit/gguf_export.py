@@ -90,7 +90,7 @@ def write_gguf_folder(output: Path, stage: Path, model, tokenizer, gguf_type: st
     if tokenizer is not None:
         tokenizer.save_pretrained(stage)
     specs = _specs(plan)
-    (stage / "README.md").write_text(model_card(base_model, "gguf", method, qcfg, specs, None) + _gguf_card(plan, gguf_type))
+    (stage / "README.md").write_text(model_card(base_model, "gguf", method, qcfg, specs) + _gguf_card(plan, gguf_type))
     for name in remove:
         path = stage / name
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)

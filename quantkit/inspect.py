@@ -12,8 +12,8 @@ def inspect_checkpoint(path: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from quantkit.formats import get_format
-    from quantkit.runtime.loader import (QUANT_METHOD_TO_FORMAT, read_config, resolve_checkpoint, safetensors_files,
-                                         unquantized_config)
+    from quantkit.runtime.loader import (QUANT_METHOD_TO_FORMAT, experts_as_linears, quantized_specs, read_config,
+                                         resolve_checkpoint, safetensors_files, unquantized_config)
     from quantkit.sources import source_dtype
 
     folder = resolve_checkpoint(path)
@@ -27,8 +27,11 @@ def inspect_checkpoint(path: str) -> dict:
     config = unquantized_config(folder, trust_remote_code=False)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
-    linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    specs = get_format(QUANT_METHOD_TO_FORMAT[method]).parse_quantization_config(qcfg, list(linears), linears) if method else {}
+    adapter = experts_as_linears(model)  # routed experts as the per-expert linears checkpoints store
+    rename = adapter.checkpoint_name if adapter is not None else (lambda n: n)
+    linears = {rename(n): (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    specs = {rename(n): s for n, s in quantized_specs(get_format(QUANT_METHOD_TO_FORMAT[method]), qcfg, model,
+                                                       adapter).items()} if method else {}
     elem = source_dtype(config).itemsize
     n_params = 0
     try:
@@ -55,4 +58,21 @@ def inspect_checkpoint(path: str) -> dict:
         "layers": {n: {"bits": s.bits, "group_size": s.group_size, "sym": s.sym, "act_order": s.act_order,
                        **({"input_quant": s.input_quant} if s.input_quant else {}),
                        "shape": [s.out_features, s.in_features]} for n, s in specs.items()},
+        **_moe_report(folder),
     }
+
+
+def _moe_report(folder) -> dict:
+    """A MoE checkpoint's calibration report (tokens per expert, experts left uncalibrated), if it has one."""
+    import json
+
+    from quantkit.checkpoint import MOE_REPORT
+
+    path = folder / MOE_REPORT
+    if not path.is_file():
+        return {}
+    try:
+        report = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise QuantkitError(f"{path} is not valid JSON; re-create the checkpoint") from None
+    return {"moe": {k: v for k, v in report.items() if k != "per_expert"}}

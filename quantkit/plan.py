@@ -16,9 +16,10 @@ from quantkit.quantizers.recipe import Recipe, build_recipe
 from quantkit.scheme import QuantScheme, parse_group_size, scheme_from_dict
 
 RECIPE_KEYS = {"method", "format", "scheme", "options", "calibration"}
-CALIBRATION_KEYS = {"dataset", "num_samples", "seq_len", "seed", "chat_template", "batch_size"}
+CALIBRATION_KEYS = {"dataset", "num_samples", "seq_len", "seed", "chat_template", "batch_size", "moe_calibration",
+                    "moe_min_tokens"}
 CALIBRATION_DEFAULTS = {"dataset": "lee", "num_samples": 128, "seq_len": 512, "seed": 0, "chat_template": False,
-                        "batch_size": None}
+                        "batch_size": None, "moe_calibration": None, "moe_min_tokens": None}
 DEFAULT_METHOD = "rtn"
 
 
@@ -32,6 +33,19 @@ class Calibration:
     seed: int
     chat_template: bool
     batch_size: Optional[int]  # None: chosen from the model's config (quantkit.pipeline.batching)
+    # Mixture-of-Experts models: how experts are calibrated (quantkit.pipeline.experts); None: the default
+    moe_calibration: Optional[str] = None
+    moe_min_tokens: Optional[int] = None
+
+    def expert_policy(self):
+        """The MoE calibration policy these settings ask for (defaults where not given)."""
+        from quantkit.pipeline.experts import ExpertPolicy
+
+        given = {k: v for k, v in (("mode", self.moe_calibration), ("min_tokens", self.moe_min_tokens)) if v is not None}
+        return ExpertPolicy(**given)
+
+    def moe_given(self) -> bool:
+        return self.moe_calibration is not None or self.moe_min_tokens is not None
 
     def label(self) -> str:
         d = self.dataset
@@ -52,7 +66,9 @@ class QuantizePlan:
         c = self.calibration
         if c is not None:
             info.update({"calibration": c.label(), "num_samples": c.num_samples, "seq_len": c.seq_len, "seed": c.seed,
-                         **({"chat_template": True} if c.chat_template else {})})
+                         **({"chat_template": True} if c.chat_template else {}),
+                         **{k: v for k, v in (("moe_calibration", c.moe_calibration),
+                                              ("moe_min_tokens", c.moe_min_tokens)) if v is not None}})
         return info
 
 
@@ -175,5 +191,8 @@ def _calibration(recipe: Recipe, from_file: dict, explicit: dict) -> Optional[Ca
     if c["batch_size"] is not None and (isinstance(c["batch_size"], bool) or not isinstance(c["batch_size"], int)
                                         or c["batch_size"] < 1):
         raise QuantkitError(f"--batch-size must be a positive integer, got {c['batch_size']!r}")
-    return Calibration(dataset=c["dataset"], num_samples=c["num_samples"], seq_len=c["seq_len"], seed=c["seed"],
-                       chat_template=bool(c["chat_template"]), batch_size=c["batch_size"])
+    calibration = Calibration(dataset=c["dataset"], num_samples=c["num_samples"], seq_len=c["seq_len"], seed=c["seed"],
+                              chat_template=bool(c["chat_template"]), batch_size=c["batch_size"],
+                              moe_calibration=c["moe_calibration"], moe_min_tokens=c["moe_min_tokens"])
+    calibration.expert_policy()  # a bad value is refused here, before any model is loaded
+    return calibration

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,6 +30,7 @@ class LayerRecord:
     index: int
     quantized: dict[str, QuantizedWeight]  # full module name -> result
     other: dict[str, torch.Tensor]  # full tensor name -> value (everything else in the layer)
+    stats: dict[str, Any] = field(default_factory=dict)  # what the layer's calibration reports (MoE token counts)
 
 
 class ProgressStore:
@@ -93,7 +94,8 @@ class ProgressStore:
             tensors[f"o::{key}"] = t.detach().contiguous()
         path = self._path(record.index)
         tmp = path.with_suffix(".tmp")
-        save_file({k: v.clone() for k, v in tensors.items()}, str(tmp), metadata={"quantized": json.dumps(meta, sort_keys=True)})
+        save_file({k: v.clone() for k, v in tensors.items()}, str(tmp),
+                  metadata={"quantized": json.dumps(meta, sort_keys=True), "stats": json.dumps(record.stats, sort_keys=True)})
         os.replace(tmp, path)
 
     # -- the unquantized model's hidden states (recipes with reference inputs, e.g. GPTAQ) ----------
@@ -135,6 +137,7 @@ class ProgressStore:
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = json.loads(f.metadata()["quantized"])
+                stats = json.loads(f.metadata().get("stats") or "{}")
                 for key in f.keys():
                     kind, rest = key.split("::", 1)
                     if kind == "o":
@@ -154,7 +157,7 @@ class ProgressStore:
                 parts = {f: fields.pop(f"two_level_{f}", None) for f in _TWO_LEVEL_FIELDS}
                 info["two_level"] = TwoLevelScales(super_size=info.pop("two_level_super"), **parts)
             qws[name] = QuantizedWeight(**fields, **info)
-        return LayerRecord(index=index, quantized=qws, other=other)
+        return LayerRecord(index=index, quantized=qws, other=other, stats=stats)
 
 
 def run_fingerprint(**settings: Any) -> dict[str, Any]:

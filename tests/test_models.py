@@ -283,8 +283,9 @@ def test_unknown_architecture_lists_supported():
     with pytest.raises(QuantkitError) as exc:
         get_adapter(transformers.GPT2Config())
     msg = str(exc.value)
-    assert msg == "unsupported architecture 'gpt2'; supported: llama, mistral, opt, phi3, qwen2, qwen3"
-    with pytest.raises(QuantkitError, match="supported: llama"):
+    assert msg == ("unsupported architecture 'gpt2'; supported: deepseek_v3, llama, mistral, mixtral, olmoe, opt, phi3, "
+                   "qwen2, qwen2_moe, qwen3, qwen3_moe")
+    with pytest.raises(QuantkitError, match="supported: deepseek_v3, llama"):
         get_adapter(object())
 
 

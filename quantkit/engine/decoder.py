@@ -87,9 +87,11 @@ class LayerPlan:
     gate_up: Optional[Callable]  # gated MLP with a fused [gate | up] projection: [N, hidden] -> [N, 2 I]
     gate: Optional[Callable]  # gated MLP, apart
     up: Optional[Callable]  # gated: up; plain MLP: fc1
-    down: Callable
-    act: Callable
+    down: Optional[Callable]
+    act: Optional[Callable]
     gated: bool
+    moe: Optional[Callable] = None  # a sparse layer's MoE block, [N, hidden] -> [N, hidden] (engine.moe)
+    qk_norm_whole: bool = False  # q/k norms over the whole projection, before the heads split (OLMoE)
 
 
 @dataclass
@@ -119,10 +121,12 @@ class DecoderModel:
         embed = resolve(model, layout.embed_tokens)
         dtype = embed.weight.dtype
         layers = list(adapter.decoder_layers(model))
-        fused = [_fuse(layer, layout) if fuse_projections else (None, None) for layer in layers]
+        sparse = [bool(adapter.moe_blocks(layer)) for layer in layers]
+        fused = [_fuse(layer, layout, s) if fuse_projections else (None, None) for layer, s in zip(layers, sparse)]
         num_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-        plans = [_plan(layer, layout, qkv, gate_up, dtype, head_dim) for layer, (qkv, gate_up) in zip(layers, fused)]
+        plans = [_plan(layer, layout, qkv, gate_up, dtype, head_dim, s)
+                 for layer, (qkv, gate_up), s in zip(layers, fused, sparse)]
         post = [_post_fn(module, layout, dtype) for _, module in adapter.post_layers(model)]
         lm_head = adapter.lm_head(model)[1]
         positions = None
@@ -146,41 +150,54 @@ def _post_fn(module: nn.Module, layout: DecoderLayout, dtype: torch.dtype) -> Ca
     return norm_fn(module, layout.norm)
 
 
-def _fuse(layer: nn.Module, layout: DecoderLayout) -> tuple:
+def _fuse(layer: nn.Module, layout: DecoderLayout, sparse: bool) -> tuple:
     """q/k/v and gate/up of QuantLinear layers as one stacked matmul each (engine.fused), where the
-    family keeps them apart."""
+    family keeps them apart (q/k normed over the whole projection, and MoE experts, stay apart)."""
     from quantkit.engine.fused import FusedProjection
 
     attn, mlp = layout.attention, layout.mlp
-    qkv = FusedProjection.build([resolve(layer, n) for n in attn.qkv]) if len(attn.qkv) == 3 else None
+    apart = len(attn.qkv) == 3 and not attn.qk_norm_whole
+    qkv = FusedProjection.build([resolve(layer, n) for n in attn.qkv]) if apart else None
     gate_up = None
-    if mlp.kind == GATED and len(mlp.up) == 2:
+    if mlp.kind == GATED and len(mlp.up) == 2 and not sparse:
         gate_up = FusedProjection.build([resolve(layer, n) for n in mlp.up])
     return qkv, gate_up
 
 
 def _plan(layer: nn.Module, layout: DecoderLayout, fused_qkv, fused_gate_up, dt: torch.dtype,
-          head_dim: int) -> LayerPlan:
+          head_dim: int, sparse: bool = False) -> LayerPlan:
     """The layer's callables. The projections a fused one replaces are not resolved: a QuantLinear
     would build (pack) its own backend, a second copy of the fused weight the forward never calls."""
-    attn, mlp = layout.attention, layout.mlp
+    attn = layout.attention
     mm = functools.partial(_matmul_at, layer, dt)
     qkv = fused_qkv.matmul_fn(dt) if fused_qkv is not None else (mm(attn.qkv[0]) if len(attn.qkv) == 1 else None)
     apart = qkv is None
-    gated = mlp.kind == GATED
-    gate_up = fused_gate_up.matmul_fn(dt) if fused_gate_up is not None else \
-        (mm(mlp.up[0]) if gated and len(mlp.up) == 1 else None)
-    gate_up_apart = gated and gate_up is None
     qk_norm = [norm_fn(resolve(layer, n), RMS) if n else None for n in (attn.q_norm, attn.k_norm)]
     return LayerPlan(
         norm_before=layout.norm_before, attn_norm=norm_fn(resolve(layer, layout.attn_norm), layout.norm),
         mlp_norm=norm_fn(resolve(layer, layout.mlp_norm), layout.norm), qkv=qkv,
         q=mm(attn.qkv[0]) if apart else None, k=mm(attn.qkv[1]) if apart else None,
         v=mm(attn.qkv[2]) if apart else None, q_norm=qk_norm[0], k_norm=qk_norm[1],
-        query_scale=head_dim ** -0.5 if attn.query_scaled else None, o=mm(attn.out), gate_up=gate_up,
-        gate=mm(mlp.up[0]) if gate_up_apart else None,
-        up=mm(mlp.up[1]) if gate_up_apart else (mm(mlp.up[0]) if not gated else None),
-        down=mm(mlp.down), act=activation_fn(resolve(layer, mlp.act)), gated=gated)
+        query_scale=head_dim ** -0.5 if attn.query_scaled else None, o=mm(attn.out),
+        qk_norm_whole=attn.qk_norm_whole, **_mlp_fns(layer, layout, fused_gate_up, dt, sparse))
+
+
+def _mlp_fns(layer: nn.Module, layout: DecoderLayout, fused_gate_up, dt: torch.dtype, sparse: bool) -> dict:
+    """The MLP part of a LayerPlan: a sparse layer's MoE block (engine.moe), or the dense MLP's projections."""
+    if sparse:
+        from quantkit.engine.moe import moe_fn
+
+        return dict(gate_up=None, gate=None, up=None, down=None, act=None, gated=False,
+                    moe=moe_fn(layer, layout.moe, dt, matmul_fn, activation_fn))
+    mlp = layout.mlp
+    mm = functools.partial(_matmul_at, layer, dt)
+    gated = mlp.kind == GATED
+    gate_up = fused_gate_up.matmul_fn(dt) if fused_gate_up is not None else \
+        (mm(mlp.up[0]) if gated and len(mlp.up) == 1 else None)
+    gate_up_apart = gated and gate_up is None
+    return dict(gate_up=gate_up, gate=mm(mlp.up[0]) if gate_up_apart else None,
+                up=mm(mlp.up[1]) if gate_up_apart else (mm(mlp.up[0]) if not gated else None),
+                down=mm(mlp.down), act=activation_fn(resolve(layer, mlp.act)), gated=gated)
 
 
 def _matmul_at(layer: nn.Module, dtype: torch.dtype, name: str) -> Callable:

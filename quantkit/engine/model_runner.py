@@ -298,10 +298,13 @@ class ModelRunner:
                 return qk[:, :H], qk[:, H:], qkv[:, H + KVH:]
             q, k, v = qkv[:, :H], qkv[:, H:H + KVH], qkv[:, H + KVH:]
         else:
-            q, k, v = p.q(h).view(N, H, D), p.k(h).view(N, KVH, D), p.v(h).view(N, KVH, D)
+            q, k, v = p.q(h), p.k(h), p.v(h)
+            if p.qk_norm_whole:  # OLMoE: over the whole projection, before the heads split
+                q, k = p.q_norm(q), p.k_norm(k)
+            q, k, v = q.view(N, H, D), k.view(N, KVH, D), v.view(N, KVH, D)
         if p.query_scale is not None:
             q = q * p.query_scale
-        if p.q_norm is not None:
+        if p.q_norm is not None and not p.qk_norm_whole:
             q, k = p.q_norm(q), p.k_norm(k)
         if rope is not None:
             rotate, cos, sin_signed = rope
@@ -310,6 +313,8 @@ class ModelRunner:
 
     @staticmethod
     def _mlp(p, h: torch.Tensor) -> torch.Tensor:
+        if p.moe is not None:
+            return p.moe(h)
         if not p.gated:
             return p.down(p.act(p.up(h)))
         if p.gate_up is not None:

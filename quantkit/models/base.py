@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 from quantkit.errors import QuantkitError
@@ -15,9 +16,11 @@ from quantkit.models.layout import DecoderLayout
 
 NORM = "norm"
 LINEAR = "linear"
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 # Kept sorted: it is printed in the "unsupported architecture" error.
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "opt", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("deepseek_v3", "llama", "mistral", "mixtral", "olmoe", "opt", "phi3", "qwen2",
+                                          "qwen2_moe", "qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,12 @@ class InputGroup:
     token_wise: ``inspect`` maps each token on its own (an MLP), so AWQ may measure its loss on a
                strided sample of tokens instead of whole sequences. A linear ``inspect`` is always
                token-wise; attention never is (the default, False, is the safe answer).
+    input_of:  the module whose input is the group's input, where its statistics are read (default:
+               the first linear). A MoE block's experts each see only the tokens routed to them, so
+               for norm -> every expert's gate/up it is the MoE block itself.
+    followers: modules that read the same input but are not part of the search (a MoE router, a
+               shared-expert gate): folding multiplies their weight columns by ``s`` too, so they
+               compute exactly what they did (the router routes the same tokens to the same experts).
     """
 
     prev: str
@@ -48,6 +57,13 @@ class InputGroup:
     kind: str
     prev_rows: tuple[int, int] | None = None
     token_wise: bool = False
+    input_of: str | None = None
+    followers: tuple[str, ...] = ()
+
+    @property
+    def input_module(self) -> str:
+        """Where the group's input is read (see ``input_of``)."""
+        return self.input_of or self.linears[0]
 
     def __post_init__(self):
         if self.kind not in (NORM, LINEAR):
@@ -92,6 +108,32 @@ class AttentionBlock:
     module: str
     inputs: tuple[str, ...]
     output: str
+
+
+@dataclass(frozen=True)
+class MoEBlock:
+    """Where a decoder layer's sparse MoE block lives (names relative to the layer).
+
+    The routed experts are one transformers module holding fused 3-D weights; quantkit handles them
+    as the per-expert linears ``{experts}.{e}.gate_proj/up_proj/down_proj`` (quantkit.models.experts).
+    The router reads the block's input and is never quantized; a shared expert (an ordinary gated MLP
+    every token goes through) and its sigmoid gate read it too."""
+
+    module: str  # the block, e.g. "mlp"
+    router: str  # e.g. "mlp.gate" (a TopKRouter: weight [E, H], not an nn.Linear)
+    experts: str  # e.g. "mlp.experts"
+    num_experts: int
+    shared: str | None = None  # the shared expert MLP, e.g. "mlp.shared_expert"
+    shared_gate: str | None = None  # e.g. "mlp.shared_expert_gate" (nn.Linear(H, 1), kept in full precision)
+
+    def expert_linear(self, e: int, projection: str) -> str:
+        return f"{self.experts}.{e}.{projection}"
+
+    def expert_linears(self, projections: tuple[str, ...]) -> list[str]:
+        return [self.expert_linear(e, p) for e in range(self.num_experts) for p in projections]
+
+    def shared_linears(self, projections: tuple[str, ...]) -> list[str]:
+        return [f"{self.shared}.{p}" for p in projections] if self.shared else []
 
 
 def resolve(root: nn.Module, path: str) -> nn.Module:
@@ -204,6 +246,49 @@ class ArchitectureAdapter:
         """
         raise NotImplementedError
 
+    # -- mixture of experts (none in dense families) -------------------------------------------
+    def moe_blocks(self, layer: nn.Module) -> list[MoEBlock]:
+        """The layer's sparse MoE blocks (dense layers and dense families: none)."""
+        return []
+
+    def routed_linears(self, layer: nn.Module) -> frozenset[str]:
+        """Linears that see only the tokens a router sends them, possibly none (routed experts)."""
+        return frozenset(n for b in self.moe_blocks(layer) for n in b.expert_linears(EXPERT_PROJECTIONS))
+
+    def linear_shapes(self, model: nn.Module) -> dict[str, tuple[int, int]]:
+        """Every linear quantkit may quantize, name -> (out, in): the model's nn.Linear modules, plus
+        each fused routed expert's projections as the per-expert linears they become while a layer
+        is calibrated (named as checkpoints name them)."""
+        shapes = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        prefix = self.layers_prefix(model)
+        for i, layer in enumerate(self.decoder_layers(model)):
+            for block in self.moe_blocks(layer):
+                fused = resolve(layer, block.experts)
+                gate_up = getattr(fused, "gate_up_proj", None)
+                if not isinstance(gate_up, torch.Tensor):
+                    continue  # already per-expert linears (a loaded quantized model)
+                _, two_i, h = gate_up.shape
+                for e in range(block.num_experts):
+                    shapes[f"{prefix}.{i}.{block.expert_linear(e, 'gate_proj')}"] = (two_i // 2, h)
+                    shapes[f"{prefix}.{i}.{block.expert_linear(e, 'up_proj')}"] = (two_i // 2, h)
+                    shapes[f"{prefix}.{i}.{block.expert_linear(e, 'down_proj')}"] = (h, two_i // 2)
+        return shapes
+
+    def full_precision_modules(self, model: nn.Module) -> list[str]:
+        """Modules that stay unquantized whatever the scheme (routers, shared-expert gates), named so a
+        checkpoint's quantization_config can declare them (vLLM builds them unquantized)."""
+        return []
+
+    # -- checkpoint names ----------------------------------------------------------------------
+    def checkpoint_name(self, name: str) -> str:
+        """The name a module or tensor has in the family's checkpoints (identity where transformers'
+        own module names are the checkpoint's)."""
+        return name
+
+    def model_name(self, name: str) -> str:
+        """The inverse of ``checkpoint_name``."""
+        return name
+
 
 def get_adapter(model_or_config) -> ArchitectureAdapter:
     """The adapter for a model, its config, or a model_type string, chosen by ``config.model_type``."""
@@ -228,11 +313,14 @@ def _registry() -> dict[str, ArchitectureAdapter]:
     global _REGISTRY
     if _REGISTRY is None:
         from quantkit.models.llama import LlamaAdapter
+        from quantkit.models.moe import (DeepseekV3Adapter, MixtralAdapter, OlmoeAdapter, Qwen2MoEAdapter,
+                                         Qwen3MoEAdapter)
         from quantkit.models.opt import OPTAdapter
         from quantkit.models.phi3 import Phi3Adapter
 
         registry = {}
-        for adapter in (LlamaAdapter(), OPTAdapter(), Phi3Adapter()):
+        for adapter in (LlamaAdapter(), OPTAdapter(), Phi3Adapter(), MixtralAdapter(), Qwen2MoEAdapter(),
+                        Qwen3MoEAdapter(), OlmoeAdapter(), DeepseekV3Adapter()):
             for model_type in adapter.model_types:
                 registry[model_type] = adapter
         assert tuple(sorted(registry)) == SUPPORTED_MODEL_TYPES, sorted(registry)

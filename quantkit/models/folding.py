@@ -11,6 +11,8 @@ or have their salient columns enlarged before quantization (AWQ).
 - norm prev: ``weight /= s`` and ``bias /= s`` (LayerNorm's output is ``n(x) * w + b``).
 - linear prev: its output rows ``/= s`` (weight rows and bias). For a fused prev only the rows
   named by ``InputGroup.prev_rows`` (the v rows of qkv_proj, the up half of gate_up_proj).
+- followers (a MoE router, a shared-expert gate): their weight columns ``*= s`` like the linears',
+  so they compute what they did on the unscaled input.
 
 The arithmetic runs in at least float32 and is rounded once to the parameter's dtype.
 """
@@ -32,6 +34,10 @@ def fold_scales(layer: nn.Module, group: InputGroup, scales: torch.Tensor) -> No
     for name, lin in zip(group.linears, linears):
         if not isinstance(lin, nn.Linear) or lin.in_features != n:
             raise ValueError(f"{group.linears}: '{name}' is not an nn.Linear with {n} input features")
+    followers = [getattr(resolve(layer, name), "weight", None) for name in group.followers]
+    for name, w in zip(group.followers, followers):
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != n:
+            raise ValueError(f"follower '{name}' has no weight [*, {n}] to take the scale")
     if not torch.isfinite(s).all() or (s <= 0).any():
         raise ValueError("fold_scales needs finite, positive scales")
 
@@ -55,8 +61,7 @@ def fold_scales(layer: nn.Module, group: InputGroup, scales: torch.Tensor) -> No
         if prev.bias is not None:
             _div_rows(prev.bias[start:stop], s)
 
-    for lin in linears:
-        w = lin.weight
+    for w in [lin.weight for lin in linears] + followers:
         ct = _compute_dtype(w)
         w.copy_((w.to(ct) * s.to(device=w.device, dtype=ct)).to(w.dtype))
 

@@ -11,6 +11,9 @@ attention: q, k, v from one fused projection ([q | k | v] rows) or three; option
 RMSNorm (Qwen3) before rotary; rotary positions or none (OPT adds learned position embeddings to
 the input instead, and scales q by head_dim^-0.5 after its projection). MLP: ``down(act(gate) *
 up)`` from two projections or one fused [gate | up] one (Phi-3), or ``fc2(act(fc1(x)))`` (OPT).
+Mixture-of-Experts families replace the MLP of their sparse layers (the adapter's ``moe_blocks``)
+by a `MoELayout`: a router picks top-k experts per token, whose gated MLPs are summed with the
+router's weights, plus a shared expert where the family has one.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ class AttentionLayout:
     q_norm: Optional[str] = None  # per-head RMSNorm on q and k before rotary (Qwen3)
     k_norm: Optional[str] = None
     query_scaled: bool = False  # q = q_proj(x) * head_dim^-0.5 in the model; attention itself unscaled (OPT)
+    qk_norm_whole: bool = False  # q/k RMSNorm over the whole projection before the heads split (OLMoE)
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,28 @@ class MLPLayout:
     up: tuple[str, ...]  # GATED: (gate, up) or (fused gate_up,) with rows [gate | up]; PLAIN: (fc1,)
     down: str
     act: str  # the activation module
+
+
+SOFTMAX = "softmax"  # softmax over the router logits in fp32, top-k, renormalised when asked (Mixtral always)
+SIGMOID_GROUPED = "sigmoid_grouped"  # DeepSeek-V3: sigmoid scores, group-limited top-k on score + bias
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    """A sparse block (paths relative to the layer): the router (weight [E, H]), the experts (per-expert
+    linears ``{experts}.{e}.gate_proj/up_proj/down_proj``, or transformers' fused 3-D weights), and
+    how the router's scores become each token's top-k experts and their weights."""
+    router: str
+    experts: str
+    top_k: int
+    scoring: str = SOFTMAX
+    renormalize: bool = True  # top-k weights divided by their sum
+    shared: Optional[str] = None  # a gated MLP every token goes through (Qwen2-MoE, DeepSeek-V3)
+    shared_gate: Optional[str] = None  # sigmoid(shared_gate(x)) scales the shared expert (Qwen2-MoE)
+    score_bias: Optional[str] = None  # added to the scores for the choice only (DeepSeek's e_score_correction_bias)
+    n_group: int = 1  # SIGMOID_GROUPED: experts in n_group groups, tokens pick topk_group of them
+    topk_group: int = 1
+    scaling: float = 1.0  # the chosen weights times this (DeepSeek's routed_scaling_factor)
 
 
 @dataclass(frozen=True)
@@ -55,3 +81,4 @@ class DecoderLayout:
     position_offset: int = 0  # OPT's table starts at position -2
     project_in: Optional[str] = None  # after the token embedding (OPT with word_embed_proj_dim != hidden)
     sliding_window: Optional[int] = None  # tokens a query may see; the engine keeps requests within it
+    moe: Optional[MoELayout] = None  # the sparse layers' block (which layers are sparse: the adapter's moe_blocks)

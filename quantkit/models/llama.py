@@ -58,6 +58,14 @@ class LlamaAdapter(ArchitectureAdapter):
             sliding_window=sliding_window(model.config))
 
     def input_groups(self, layer: nn.Module, config=None) -> list[InputGroup]:
+        groups = self.attention_groups(layer)
+        groups.append(InputGroup("post_attention_layernorm", (GATE, UP), inspect="mlp", kind=NORM, token_wise=True))
+        # up -> down: down sees act(gate(x)) * up(x), linear in up's output for any activation.
+        groups.append(InputGroup(UP, (DOWN,), inspect=DOWN, kind=LINEAR))
+        return groups
+
+    def attention_groups(self, layer: nn.Module) -> list[InputGroup]:
+        """The attention's input groups: norm -> q/k/v, and v -> o where that folding is exact."""
         groups = [InputGroup("input_layernorm", (Q, K, V), inspect="self_attn", kind=NORM)]
         # v -> o: attention output is a convex combination of value rows, so scaling v's output
         # channels by 1/s and o's input columns by s is exact -- but only channel-for-channel.
@@ -66,9 +74,6 @@ class LlamaAdapter(ArchitectureAdapter):
         # widths, not on weight shapes: qwen3 can have num_heads*head_dim != hidden_size.
         if resolve(layer, V).out_features == resolve(layer, O).in_features:
             groups.append(InputGroup(V, (O,), inspect=O, kind=LINEAR))
-        groups.append(InputGroup("post_attention_layernorm", (GATE, UP), inspect="mlp", kind=NORM, token_wise=True))
-        # up -> down: down sees act(gate(x)) * up(x), linear in up's output for any activation.
-        groups.append(InputGroup(UP, (DOWN,), inspect=DOWN, kind=LINEAR))
         return groups
 
 

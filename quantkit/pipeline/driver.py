@@ -21,6 +21,7 @@ from quantkit.errors import QuantkitError
 from quantkit.pipeline import residency
 from quantkit.pipeline.batching import runs_in_one_pass
 from quantkit.pipeline.capture import capture_layer_inputs, run_layer
+from quantkit.pipeline.experts import ExpertPolicy, experts_unfused, strategy_needs_stages
 from quantkit.pipeline.memory_policy import MemoryPolicy, memory_policy
 from quantkit.pipeline.one_pass import OnePassStrategy
 from quantkit.pipeline.staged import StagedStrategy
@@ -36,7 +37,7 @@ class LayerByLayer:
 
     def __init__(self, model, adapter, recipe: Recipe, schemes: dict[str, LinearScheme], input_ids, *, device,
                  activation_device, compute_dtype, batch_size: int, store: Optional[ProgressStore], layer_source,
-                 release_layers: bool, policy: MemoryPolicy):
+                 release_layers: bool, policy: MemoryPolicy, experts: Optional[ExpertPolicy] = None):
         if release_layers and store is None:
             raise ValueError("release_layers needs a store: the results live only there")
         if recipe.needs_calibration and input_ids is None:
@@ -44,6 +45,8 @@ class LayerByLayer:
         self.model, self.adapter, self.recipe, self.schemes = model, adapter, recipe, schemes
         self.device, self.activation_device, self.compute_dtype = device, activation_device, compute_dtype
         self.store, self.layer_source, self.release_layers, self.policy = store, layer_source, release_layers, policy
+        self.expert_policy = experts or ExpertPolicy()
+        self.layer_stats: dict[int, dict] = {}  # per layer: what its MoE experts were calibrated on
         self.layers = adapter.decoder_layers(model)
         self.prefix = adapter.layers_prefix(model)
         self.done = set(store.done_layers()) if store is not None else set()
@@ -53,6 +56,7 @@ class LayerByLayer:
         self.reference = [h.clone() for h, _ in self.inputs] if recipe.needs_reference_inputs else None
         one_pass = len(self.inputs) == 1 and runs_in_one_pass(recipe)
         self.strategy = OnePassStrategy(policy) if one_pass else StagedStrategy()
+        self.staged = StagedStrategy()
 
     def run(self, progress: bool) -> dict[str, QuantizedWeight]:
         if self.release_layers:  # from here on the weights are read one layer at a time (see residency.release)
@@ -63,8 +67,10 @@ class LayerByLayer:
         for i in bar:
             t0 = time.perf_counter()
             stored = self.load(i)
-            layer_results = self.calibrate(i)
-            self.persist(i, layer_results)
+            with experts_unfused(self.layers[i], self.adapter, self.expert_policy,
+                                 calibrated=self.recipe.needs_calibration) as experts:
+                layer_results = self.calibrate(i, experts)
+                self.persist(i, layer_results)
             self.release(i, stored)
             finished.update(layer_results)
             if self.store is None:  # with a store the results live only there (memory flat in depth)
@@ -85,31 +91,35 @@ class LayerByLayer:
             self.layer_source.materialize(i)
         return residency.to_compute(self.layers[i], self.device, self.compute_dtype)
 
-    def calibrate(self, i: int) -> dict[str, QuantizedWeight]:
+    def calibrate(self, i: int, experts=None) -> dict[str, QuantizedWeight]:
         """Layer i's quantized results (computed, or restored from the store), its outputs passed on."""
         layer, prefix = self.layers[i], self.layer_prefix(i)
         if i in self.done:
             record = self.store.load_layer(i)
             residency.restore(layer, prefix, record)
+            self.layer_stats[i] = record.stats
             self.advance(i, None)
             if self.reference is not None:
                 self.reference = self.store.load_reference(i) or self.reference
             return record.quantized
         ctx = LayerContext(index=i, layer=layer, prefix=prefix, adapter=self.adapter, config=self.model.config,
                            schemes={n[len(prefix):]: s for n, s in self.schemes.items() if n.startswith(prefix)},
-                           inputs=self.inputs, run_layer=lambda: self.run_layer(i))
+                           inputs=self.inputs, run_layer=lambda: self.run_layer(i), experts=experts)
         self.recipe.begin_layer(ctx)
         if self.reference is not None:  # the layer as the unquantized model has it: transformed, not quantized
             ctx.reference_layer = copy.deepcopy(layer)
             ctx.reference_inputs = [(h, kw) for h, (_, kw) in zip(self.reference, self.inputs)]
-        layer_results, outputs = self.strategy.quantize_layer(ctx, self.recipe, self.device, self.compute_dtype,
-                                                               observe=self.recipe.needs_observe)
+        strategy = self.staged if strategy_needs_stages(layer, self.adapter) else self.strategy
+        layer_results, outputs = strategy.quantize_layer(ctx, self.recipe, self.device, self.compute_dtype,
+                                                          observe=self.recipe.needs_observe)
         self.advance(i, outputs)
         if ctx.reference_layer is not None:
             self.reference = run_layer(ctx.reference_layer, ctx.reference_inputs, self.device, self.compute_dtype,
                                        self.activation_device)
             ctx.reference_layer = ctx.reference_inputs = None
         self.recipe.end_layer(ctx)
+        if experts is not None:
+            self.layer_stats[i] = {"experts": experts.stats(), "uncalibrated_method": self.recipe.uncalibrated_method}
         return layer_results
 
     def run_layer(self, i: int) -> list:
@@ -130,7 +140,8 @@ class LayerByLayer:
                 self.store.save_reference(i, self.reference)
             prefix = self.layer_prefix(i)
             self.store.save_layer(LayerRecord(index=i, quantized=layer_results,
-                                              other=residency.other_tensors(self.layers[i], prefix, layer_results)))
+                                              other=residency.other_tensors(self.layers[i], prefix, layer_results),
+                                              stats=self.layer_stats.get(i, {})))
 
     def release(self, i: int, stored: dict) -> None:
         if self.release_layers and self.layer_source is None:
@@ -148,7 +159,8 @@ def quantize_model(model, adapter, recipe, schemes: dict[str, LinearScheme], inp
                    device: torch.device | str = "cpu", activation_device: torch.device | str = "cpu",
                    compute_dtype: torch.dtype = torch.float32, batch_size: int = 8, progress: bool = True,
                    store: Optional[ProgressStore] = None, layer_source=None, release_layers: bool = False,
-                   policy: Optional[MemoryPolicy] = None) -> dict[str, QuantizedWeight]:
+                   policy: Optional[MemoryPolicy] = None, experts: Optional[ExpertPolicy] = None,
+                   stats: Optional[dict] = None) -> dict[str, QuantizedWeight]:
     """Quantize every linear named in `schemes` (full names) with `recipe` (a Recipe, or one step:
     see `Recipe.of`) and return their QuantizedWeights.
 
@@ -159,12 +171,17 @@ def quantize_model(model, adapter, recipe, schemes: dict[str, LinearScheme], inp
     memory does not grow with the model's depth. With a `layer_source` (streaming), a layer's weights
     are read from disk only while it is processed. With `release_layers` (needs a `store`; what
     `quantize` does) each finished layer's tensors are dropped instead, leaving the model's layers on
-    the meta device."""
+    the meta device. MoE layers are calibrated per expert (`experts`: the few-token policy, see
+    quantkit.pipeline.experts); pass a dict as `stats` to receive, per layer index, the tokens each
+    expert was calibrated on and which were quantized without calibration."""
     run = LayerByLayer(model, adapter, Recipe.of(recipe), schemes, input_ids, device=device,
                        activation_device=activation_device, compute_dtype=compute_dtype, batch_size=batch_size,
                        store=store, layer_source=layer_source, release_layers=release_layers,
-                       policy=policy or memory_policy())
-    return run.run(progress)
+                       policy=policy or memory_policy(), experts=experts)
+    results = run.run(progress)
+    if stats is not None:
+        stats.update(run.layer_stats)
+    return results
 
 
 @torch.no_grad()
@@ -178,12 +195,13 @@ def transform_model(model, transform, input_ids: torch.Tensor, batch_size: int =
     inputs = capture_layer_inputs(model, adapter, input_ids, batch_size, "cpu", "cpu")
     prefix = adapter.layers_prefix(model)
     for i, layer in enumerate(adapter.decoder_layers(model)):
-        schemes = {n: transform_scheme(transform) for n in adapter.linear_names(layer)}
-        ctx = LayerContext(index=i, layer=layer, prefix=f"{prefix}.{i}.", adapter=adapter, config=model.config,
-                           schemes=schemes, inputs=inputs, run_layer=lambda layer=layer: run_layer(layer, inputs, "cpu",
-                                                                                                  torch.float32, "cpu"))
-        transform.begin_layer(ctx)
-        inputs[:] = [(out, kw) for out, (_, kw) in zip(ctx.run_layer(), inputs)]
+        with experts_unfused(layer, adapter, ExpertPolicy(), calibrated=True) as experts:
+            schemes = {n: transform_scheme(transform) for n in adapter.linear_names(layer)}
+            ctx = LayerContext(index=i, layer=layer, prefix=f"{prefix}.{i}.", adapter=adapter, config=model.config,
+                               schemes=schemes, inputs=inputs, experts=experts,
+                               run_layer=lambda layer=layer: run_layer(layer, inputs, "cpu", torch.float32, "cpu"))
+            transform.begin_layer(ctx)
+            inputs[:] = [(out, kw) for out, (_, kw) in zip(ctx.run_layer(), inputs)]
 
 
 def transform_scheme(transform) -> LinearScheme:

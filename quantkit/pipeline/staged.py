@@ -3,6 +3,7 @@ linears quantized (fake-quantized in place, so later stages see them quantized).
 any number of batches, any layer structure, any recipe."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -23,8 +24,12 @@ def target_stages(ctx: LayerContext, recipe: Recipe) -> list[list[str]]:
 @torch.no_grad()
 def quantize_in_place(ctx: LayerContext, recipe: Recipe, name: str, module) -> QuantizedWeight:
     """Quantize one linear and leave it fake-quantized (its weight replaced by the dequantized
-    values), which is what everything downstream in the calibration must see."""
-    qw = recipe.quantize_linear(name, module, ctx.schemes[name])
+    values), which is what everything downstream in the calibration must see. A MoE expert that saw
+    too few calibration tokens is quantized without calibration (quantkit.pipeline.experts)."""
+    if ctx.experts is not None and ctx.experts.falls_back(name):
+        qw = recipe.quantize_uncalibrated(name, module, ctx.schemes[name])
+    else:
+        qw = recipe.quantize_linear(name, module, ctx.schemes[name])
     check_finite(ctx.prefix + name, qw)
     module.weight.data = qw.dequantize(module.weight.dtype).to(module.weight.device)
     return qw
@@ -61,6 +66,11 @@ def observe_stage(ctx: LayerContext, modules: dict, recipe: Recipe, device, comp
     inputs, each batch first runs through the unquantized layer so that every observed input comes
     with the same rows' input in the unquantized model."""
     references = ctx.reference_inputs if recipe.needs_reference_inputs else None
+    with ctx.experts.counting_pass() if ctx.experts is not None else contextlib.nullcontext():
+        _observe_batches(ctx, modules, recipe, device, compute_dtype, references)
+
+
+def _observe_batches(ctx: LayerContext, modules: dict, recipe: Recipe, device, compute_dtype, references) -> None:
     for b, (hidden, kwargs) in enumerate(ctx.inputs):
         seen_reference: dict[str, torch.Tensor] = {}
         if references is not None:

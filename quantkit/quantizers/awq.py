@@ -163,15 +163,61 @@ def _token_wise(group) -> bool:
 
 
 class _Capture:
-    """What one hooked calibration pass of a layer collects for the searches."""
+    """What one hooked calibration pass of a layer collects for the searches: per group the mean |x|
+    per input channel, the inputs of non-token-wise inspect modules (whole sequences), strided token
+    samples for token-wise inspect modules and for the clipped linears."""
 
     def __init__(self):
-        self.x_abs_sum: dict[str, torch.Tensor] = {}  # first linear of a group -> sum |x| per channel
+        self.x_abs_sum: dict[str, torch.Tensor] = {}  # group input module -> sum |x| per channel
         self.x_count: dict[str, int] = {}
         self.inspect_inputs: dict[str, list] = {}  # inspect module -> [(args, kwargs)] of the sampled batches
         self.token_x: dict[str, list] = {}  # token-wise inspect module -> [tokens, K] pieces (then one tensor)
         self.clip_x: dict[str, list] = {}  # clipped linear -> [tokens, K] pieces
         self.calls: dict[str, int] = {}
+        self.roles: dict[str, set] = {}
+        self.batch = -1
+
+    def begin(self, inputs: list, plan: list[int], options: dict, routed: frozenset) -> None:
+        self.plan, self.routed = plan, routed
+        self.shapes = [(h.shape[0], h.shape[1] if h.dim() > 2 else 1) for h, _ in inputs]
+        self.total = sum(b * t for b, t in self.shapes)
+        self.offsets = [sum(b * t for b, t in self.shapes[:i]) for i in range(len(self.shapes))]
+        self.budget = {"token": options["token_search_tokens"], "clip": options["clip_search_tokens"]}
+
+    def next_batch(self, module, args):
+        self.batch += 1
+
+    def sample(self, name: str, x2: torch.Tensor, role: str) -> torch.Tensor:
+        """A strided sample of this batch's rows, on one stride over all batches (so it does not depend
+        on the batching); a routed expert's rows, which vary per batch, on a stride aiming at the budget."""
+        n = self.budget[role]
+        if name in self.routed:
+            return x2[::max(1, -(-x2.shape[0] * len(self.shapes) // n))] if n else x2
+        stride = 1 if not n else max(1, self.total // int(n))
+        return _strided_rows(x2, self.offsets[self.batch], stride)
+
+    def hook(self, name: str):
+        def capture(module, args, kwargs):
+            i = self.batch
+            if self.calls.get(name, 0) > i:
+                raise QuantkitError(f"awq: '{name}' ran more than once per calibration batch; unsupported layout")
+            self.calls[name] = self.calls.get(name, 0) + 1
+            x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
+            x2 = x.detach().reshape(-1, x.shape[-1])
+            if name in self.roles["mean"]:
+                s = x2.float().abs().sum(0)
+                self.x_abs_sum[name] = s if name not in self.x_abs_sum else self.x_abs_sum[name] + s
+                self.x_count[name] = self.x_count.get(name, 0) + x2.shape[0]
+            if name in self.roles["inspect"] and self.plan[i] > 0:
+                b, t = self.shapes[i]
+                self.inspect_inputs.setdefault(name, []).append(
+                    (slice_batch(args, self.plan[i], b, t), slice_batch(kwargs, self.plan[i], b, t)))
+            if name in self.roles["token"]:
+                self.token_x.setdefault(name, []).append(self.sample(name, x2, "token").clone())
+            if name in self.roles["clip"]:
+                self.clip_x.setdefault(name, []).append(self.sample(name, x2, "clip").float().clone())
+
+        return capture
 
 
 @register_step
@@ -218,9 +264,13 @@ class AWQTransform(Transform):
             return
 
         cap = self._capture(ctx, groups, clip_targets)
-        searched = [(g, self._search_group(layer, g, cap, ctx.schemes)) for g in groups]
+        # a routed expert no calibration token reached has nothing to balance: its scales stay 1
+        searched = [(g, self._search_group(layer, g, cap, ctx.schemes) if g.input_module in cap.x_abs_sum
+                     else {"alpha": None, "losses": [], "scales": torch.ones(layer.get_submodule(g.linears[0]).in_features)})
+                    for g in groups]
         for group, found in searched:
-            fold_scales(layer, group, found["scales"])
+            if found["alpha"] is not None:
+                fold_scales(layer, group, found["scales"])
             for name in group.linears:
                 if name in cap.clip_x:
                     s = found["scales"].to(cap.clip_x[name].device)
@@ -231,7 +281,9 @@ class AWQTransform(Transform):
         cap.inspect_inputs.clear()
         cap.token_x.clear()
         for name in clip_targets:
-            x = cap.clip_x.pop(name)
+            x = cap.clip_x.pop(name, None)
+            if x is None or not x.shape[0]:  # a routed expert no calibration token reached: left unclipped
+                continue
             lin = layer.get_submodule(name)
             scheme = ctx.schemes[name]
             ratios = search_clip(lin.weight.data, x, scheme, int(self.options["clip_n_grid"]),
@@ -258,58 +310,27 @@ class AWQTransform(Transform):
 
     @torch.no_grad()
     def _capture(self, ctx: LayerContext, groups, clip_targets) -> _Capture:
-        layer = ctx.layer
+        """One hooked pass over the calibration batches: what the searches need (see `_Capture`).
+        Routed experts run on the tokens routed to them, in some batches or none at all."""
         cap = _Capture()
-        plan = self._plan(ctx.inputs)
-        shapes = [(h.shape[0], h.shape[1] if h.dim() > 2 else 1) for h, _ in ctx.inputs]
-        total_tokens = sum(b * t for b, t in shapes)
-        offsets = [sum(b * t for b, t in shapes[:i]) for i in range(len(shapes))]
-
-        def stride_for(n_tokens):
-            return 1 if not n_tokens else max(1, total_tokens // int(n_tokens))
-
-        clip_stride = stride_for(self.options["clip_search_tokens"])
-        token_stride = stride_for(self.options["token_search_tokens"])
-        mean_of = {g.linears[0] for g in groups}
+        layer, routed = ctx.layer, ctx.adapter.routed_linears(ctx.layer)
+        cap.begin(ctx.inputs, self._plan(ctx.inputs), self.options, routed)
         token_wise = {g.inspect for g in groups if _token_wise(g)}
-        inspect_of = {g.inspect for g in groups} - token_wise
-        names = sorted(mean_of | inspect_of | token_wise | set(clip_targets))
-        clip_set = set(clip_targets)
-
-        def make_hook(name):
-            def hook(module, args, kwargs):
-                i = cap.calls.get(name, 0)
-                cap.calls[name] = i + 1
-                if i >= len(shapes):
-                    raise QuantkitError(f"awq: '{name}' ran more than once per calibration batch; unsupported layout")
-                x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
-                if name in mean_of or name in clip_set or name in token_wise:
-                    x2 = x.detach().reshape(-1, x.shape[-1])
-                if name in mean_of:
-                    s = x2.float().abs().sum(0)
-                    cap.x_abs_sum[name] = s if name not in cap.x_abs_sum else cap.x_abs_sum[name] + s
-                    cap.x_count[name] = cap.x_count.get(name, 0) + x2.shape[0]
-                if name in inspect_of and plan[i] > 0:
-                    b, t = shapes[i]
-                    cap.inspect_inputs.setdefault(name, []).append(
-                        (slice_batch(args, plan[i], b, t), slice_batch(kwargs, plan[i], b, t)))
-                if name in token_wise:
-                    cap.token_x.setdefault(name, []).append(_strided_rows(x2, offsets[i], token_stride).clone())
-                if name in clip_set:
-                    cap.clip_x.setdefault(name, []).append(_strided_rows(x2, offsets[i], clip_stride).float().clone())
-
-            return hook
-
-        handles = [layer.get_submodule(n).register_forward_pre_hook(make_hook(n), with_kwargs=True) for n in names]
+        cap.roles = {"mean": {g.input_module for g in groups}, "token": token_wise, "clip": set(clip_targets),
+                     "inspect": {g.inspect for g in groups} - token_wise}
+        names = sorted(set().union(*cap.roles.values()))
+        handles = [layer.register_forward_pre_hook(cap.next_batch)]
+        handles += [layer.get_submodule(n).register_forward_pre_hook(cap.hook(n), with_kwargs=True) for n in names]
         try:
             ctx.run_layer()
         finally:
             for h in handles:
                 h.remove()
         for name in names:
-            if cap.calls.get(name, 0) != len(shapes):
-                raise QuantkitError(f"awq: '{name}' ran {cap.calls.get(name, 0)} times for {len(shapes)} "
-                                    "calibration batches; unsupported layout")
+            calls = cap.calls.get(name, 0)
+            if calls != len(cap.shapes) and not (name in routed and calls < len(cap.shapes)):
+                raise QuantkitError(f"awq: '{name}' ran {calls} times for {len(cap.shapes)} calibration batches; "
+                                    "unsupported layout")
         cap.clip_x = {n: torch.cat(v) for n, v in cap.clip_x.items()}
         cap.token_x = {n: torch.cat(v) for n, v in cap.token_x.items()}
         return cap
@@ -319,7 +340,7 @@ class AWQTransform(Transform):
 
     @torch.no_grad()
     def _search_group(self, layer: nn.Module, group, cap: _Capture, schemes: dict[str, LinearScheme]) -> dict:
-        first = group.linears[0]
+        first = group.input_module
         x_mean = (cap.x_abs_sum[first] / max(1, cap.x_count[first])).float()
         quantized = [n for n in group.linears if n in schemes]
         linears = {n: layer.get_submodule(n) for n in quantized}
@@ -342,7 +363,9 @@ class AWQTransform(Transform):
                     return float((x @ dw.t()).pow(2).sum()) / (t * w0.shape[0])
                 return float(((dw @ gram) * dw).sum())
         else:
-            batches = [((cap.token_x[group.inspect],), {})] if _token_wise(group) else cap.inspect_inputs[group.inspect]
+            # token-wise blocks run on the sample as one sequence [1, T, H] (a MoE block reads a 3-D input)
+            batches = ([((cap.token_x[group.inspect].unsqueeze(0),), {})] if _token_wise(group)
+                       else cap.inspect_inputs[group.inspect])
             reference = self._run_inspect(inspect, batches)
             numel = sum(r.numel() for r in reference)
 

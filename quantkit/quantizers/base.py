@@ -40,6 +40,8 @@ class LayerContext:
     # transforms, which are exact in full precision) and the unquantized model's inputs of this layer
     reference_layer: Optional[nn.Module] = None
     reference_inputs: Optional[list] = None
+    # a MoE layer's experts while it is calibrated (quantkit.pipeline.experts.LayerExperts), else None
+    experts: Any = None
 
 
 class Step:
@@ -126,6 +128,27 @@ class Quantizer(Step):
 
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme) -> QuantizedWeight:
         raise NotImplementedError
+
+    uncalibrated_method: ClassVar[str] = "rtn"  # what `quantize_uncalibrated` does, for the model card
+
+    def quantize_uncalibrated(self, name: str, module: nn.Linear, scheme: LinearScheme) -> QuantizedWeight:
+        """`name` quantized without calibration data, when the pipeline has too few tokens for it (a MoE
+        expert the router seldom chose): what was observed for it is dropped and the weight is rounded
+        to nearest on this quantizer's grid, labelled with the act-order the run declares (its trivial
+        g_idx is valid under it), so the checkpoint keeps one scheme."""
+        from quantkit.ggml_types import ggml_type
+        from quantkit.quantizers.gguf_grid import rtn_on_grid
+        from quantkit.quantizers.grid import rtn_quantize
+
+        self.discard(name)
+        if scheme.grid is not None:
+            return rtn_on_grid(module.weight.data, ggml_type(scheme.grid), module.bias)
+        qw = rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias)
+        qw.act_order = self.planned_spec(LinearSpec.of(qw)).act_order
+        return qw
+
+    def discard(self, name: str) -> None:
+        """Forget what was observed for `name` (it is being quantized without it)."""
 
 
 def register_step(cls: type[Step]) -> type[Step]:

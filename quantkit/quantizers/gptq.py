@@ -18,8 +18,7 @@ from quantkit.ggml_types import ggml_type
 from quantkit.quantizers.base import LayerContext, Quantizer, register_step
 from quantkit.quantizers.gptq_core import (CrossAccumulator, HessianAccumulator, act_order_kind, asymmetric_target,
                                            gptq_quantize)
-from quantkit.quantizers.gguf_grid import choose_grid, rtn_on_grid
-from quantkit.quantizers.grid import rtn_quantize
+from quantkit.quantizers.gguf_grid import choose_grid
 from quantkit.scheme import LinearScheme
 
 
@@ -112,14 +111,7 @@ class GPTQQuantizer(Quantizer):
             warnings.warn(f"GPTQ: all {acc.n_dropped} calibration rows for {name} contain NaN/inf; "
                           "quantizing it with RTN instead", RuntimeWarning, stacklevel=2)
             self.layer_stats[name] = {"fallback": "rtn", "dropped": acc.n_dropped}
-            if scheme.grid is not None:
-                return rtn_on_grid(module.weight.data, ggml_type(scheme.grid), module.bias)
-            qw = rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias)
-            # rounded in the original order: its trivial g_idx is valid under the act-order the run
-            # declares, so the checkpoint's config stays one scheme
-            qw.act_order = act_order_kind(bool(self.options["desc_act"]), bool(self.options["static_groups"]),
-                                          scheme.group_size)
-            return qw
+            return self.quantize_uncalibrated(name, module, scheme)
         if acc is None or acc.n_samples == 0:
             raise QuantkitError(f"GPTQ saw no calibration inputs for {name}; check the dataset")
         # linears of this stage that share the Hessian and the scheme (q/k/v, gate/up) are solved as
@@ -158,6 +150,13 @@ class GPTQQuantizer(Quantizer):
             self._stacked[n] = (part, part_stats)
         qw, self.layer_stats[name] = self._stacked.pop(name)
         return qw
+
+    def discard(self, name: str) -> None:
+        acc = self._hessians.pop(name, None)
+        self._crosses.pop(name, None)
+        self._stacked.pop(name, None)
+        if acc is not None and acc is self._last_acc:
+            self._last_input = self._last_acc = self._last_cross = None
 
     def planned_spec(self, spec):
         order = act_order_kind(bool(self.options["desc_act"]), bool(self.options["static_groups"]), spec.group_size)

@@ -138,6 +138,17 @@ class Recipe:
             qw = t.finalize(name, qw)
         return qw
 
+    @property
+    def uncalibrated_method(self) -> str:
+        return self.quantizer.uncalibrated_method
+
+    def quantize_uncalibrated(self, name: str, module: nn.Linear, scheme: LinearScheme) -> QuantizedWeight:
+        """`name` quantized without calibration (see Quantizer.quantize_uncalibrated), finalized by the transforms."""
+        qw = self.quantizer.quantize_uncalibrated(name, module, scheme)
+        for t in self.transforms:
+            qw = t.finalize(name, qw)
+        return qw
+
     def end_layer(self, ctx: LayerContext) -> None:
         for s in self.steps:
             s.end_layer(ctx)

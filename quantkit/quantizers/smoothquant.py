@@ -210,8 +210,9 @@ class SmoothQuantTransform(Transform):
             if len(seen) == len(hooked):
                 raise StopForward  # the rest of the layer (most of the MLP) is not needed
 
-        hooked = {ctx.layer.get_submodule(g.linears[0]) for g in groups}
-        handles = [ctx.layer.get_submodule(g.linears[0]).register_forward_pre_hook(amax_hook(g.prev)) for g in groups]
+        # where each group's input is read: its first linear, or a MoE block itself (an expert sees only its tokens)
+        hooked = {ctx.layer.get_submodule(g.input_module) for g in groups}
+        handles = [ctx.layer.get_submodule(g.input_module).register_forward_pre_hook(amax_hook(g.prev)) for g in groups]
         if search:
             handles += [ctx.layer.get_submodule(n).register_forward_pre_hook(block_hook(n), with_kwargs=True)
                         for n in sorted({g.inspect for g in groups})]

@@ -221,10 +221,11 @@ def load_model(path: str, backend: str = "auto", device: Optional[str] = None, d
             model = AutoModelForCausalLM.from_config(config, dtype=act_dtype, trust_remote_code=trust_remote_code)
     except Exception as exc:  # a config transformers cannot build from (zero heads, wrong types, ...)
         raise QuantkitError(f"{folder}/config.json: cannot build the model ({first_line(exc)})") from None
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    adapter = experts_as_linears(model)
+    if adapter is not None:  # the checkpoint's names (Mixtral's block_sparse_moe.experts.e.w1) -> the model's
+        state, where = ({adapter.model_name(k): v for k, v in d.items()} for d in (state, where))
     try:
-        specs = fmt.parse_quantization_config(qcfg, list(linears),
-                                              {n: (m.out_features, m.in_features) for n, m in linears.items()})
+        specs = quantized_specs(fmt, qcfg, model, adapter)
     except QuantkitError as exc:
         raise QuantkitError(f"{folder}/config.json: {exc}") from None
     except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
@@ -246,6 +247,37 @@ def load_model(path: str, backend: str = "auto", device: Optional[str] = None, d
         if isinstance(module, QuantLinear):
             module.set_backend(backend)
     return model
+
+
+def experts_as_linears(model: nn.Module):
+    """Replace every fused experts module of a (meta) MoE model by per-expert linears, which is how
+    quantized checkpoints store experts (``experts.{e}.gate_proj.qweight``). Returns the family's
+    adapter (None for an architecture quantkit has no adapter for: nothing to replace)."""
+    from quantkit.models import get_adapter
+    from quantkit.models.experts import RoutedExperts, check_fused
+
+    try:
+        adapter = get_adapter(model)
+    except QuantkitError:
+        return None
+    for layer in adapter.decoder_layers(model):
+        for block in adapter.moe_blocks(layer):
+            parent_name, _, child = block.experts.rpartition(".")
+            parent = layer.get_submodule(parent_name) if parent_name else layer
+            fused = getattr(parent, child)
+            e, h, i = check_fused(fused)
+            setattr(parent, child, RoutedExperts(e, h, i, fused.act_fn, device=fused.gate_up_proj.device,
+                                                 dtype=fused.gate_up_proj.dtype))
+    return adapter
+
+
+def quantized_specs(fmt, qcfg: dict, model: nn.Module, adapter) -> dict:
+    """The quantization_config's LinearSpec per quantized linear of `model` (model names); the
+    config's rules are matched against the checkpoint's names."""
+    rename = adapter.checkpoint_name if adapter is not None else (lambda n: n)
+    linears = {rename(n): n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    shapes = {c: (model.get_submodule(n).out_features, model.get_submodule(n).in_features) for c, n in linears.items()}
+    return {linears[c]: spec for c, spec in fmt.parse_quantization_config(qcfg, list(linears), shapes).items()}
 
 
 def default_compute_dtype(config, device: torch.device) -> Optional[torch.dtype]:
