@@ -76,10 +76,15 @@ def cli():
 @click.option("--static-groups/--no-static-groups", default=None,
               help="GPTQ: group scales computed up front, keeping act-order's g_idx trivial (default on).")
 @click.option("--mse", is_flag=True, help="GPTQ: search a shrunk group range with the lowest reconstruction error.")
+@click.option("--nproc", type=int, default=None,
+              help="Calibrate data-parallel on N local processes (2, 4 or 8; gloo on CPU, one GPU each with --device cuda); "
+                   "the same bytes as one process. Under torchrun the launched group is used.")
+@click.option("--dist-timeout", type=float, default=None,
+              help="Seconds a rank waits for the others before the data-parallel run stops (default 600).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line of stdout.")
 def quantize(model, method, bits, group_size, sym, format_, gguf_type, recipe, dataset, num_samples, seq_len, seed, chat_template,
              ignore, options, output, overwrite, dtype, device, trust_remote_code, max_shard_size, batch_size, eval_after,
-             resume, streaming, offload_hessians, desc_act, static_groups, mse, as_json):
+             resume, streaming, offload_hessians, desc_act, static_groups, mse, nproc, dist_timeout, as_json):
     """Quantize a model and write a packed checkpoint."""
     from quantkit import api
 
@@ -92,8 +97,10 @@ def quantize(model, method, bits, group_size, sym, format_, gguf_type, recipe, d
                                                                                mse=mse), output=output,
         overwrite=overwrite, dtype=dtype, device=device, trust_remote_code=trust_remote_code, max_shard_size=max_shard_size,
         batch_size=batch_size, eval_after=eval_after, progress=not as_json, resume=resume, streaming=streaming,
-        gguf_type=gguf_type,
+        gguf_type=gguf_type, nproc=nproc, dist_timeout=dist_timeout,
     )
+    if result is None:  # a rank other than 0 of a torchrun group: rank 0 reports
+        return
     rss = result["peak_rss_mb"]
     _emit(result, as_json, f"wrote {result['output']} ({result['method']}, {result['bits']}-bit, group {result['group_size']}, "
                            f"{result['format']}) in {result['seconds']:.1f} s, "
@@ -262,7 +269,7 @@ def main(argv=None) -> int:
         cli.main(args=argv, standalone_mode=False, prog_name="quantkit")
     except QuantkitError as exc:
         click.echo(f"error: {exc}", err=True)
-        return _exit(2)
+        return _exit(getattr(exc, "exit_code", 2))
     except click.exceptions.Abort:
         click.echo("error: interrupted", err=True)
         return _exit(130)

@@ -28,6 +28,7 @@ from quantkit.progress import LayerRecord, ProgressStore
 from quantkit.qtensor import QuantizedWeight
 from quantkit.quantizers.base import LayerContext
 from quantkit.quantizers.recipe import Recipe
+from quantkit.reduction import Comm, LocalComm, SampleLayout
 from quantkit.scheme import LinearScheme
 
 
@@ -36,7 +37,7 @@ class LayerByLayer:
 
     def __init__(self, model, adapter, recipe: Recipe, schemes: dict[str, LinearScheme], input_ids, *, device,
                  activation_device, compute_dtype, batch_size: int, store: Optional[ProgressStore], layer_source,
-                 release_layers: bool, policy: MemoryPolicy):
+                 release_layers: bool, policy: MemoryPolicy, comm: Optional[Comm] = None):
         if release_layers and store is None:
             raise ValueError("release_layers needs a store: the results live only there")
         if recipe.needs_calibration and input_ids is None:
@@ -47,11 +48,15 @@ class LayerByLayer:
         self.layers = adapter.decoder_layers(model)
         self.prefix = adapter.layers_prefix(model)
         self.done = set(store.done_layers()) if store is not None else set()
+        # this process's share of the calibration set (all of it unless data-parallel), in batches
+        self.samples = (SampleLayout.build(comm or LocalComm(), input_ids.shape[0], input_ids.shape[1], batch_size)
+                        if recipe.needs_calibration else None)
         self.inputs = (capture_layer_inputs(model, adapter, input_ids, batch_size, device, activation_device,
-                                            compute_dtype) if recipe.needs_calibration else [])
+                                            compute_dtype, batches=self.samples.batches) if recipe.needs_calibration else [])
         # the unquantized model's hidden states beside the quantized ones, for steps that compare with them
         self.reference = [h.clone() for h, _ in self.inputs] if recipe.needs_reference_inputs else None
-        one_pass = len(self.inputs) == 1 and runs_in_one_pass(recipe)
+        # decided for the whole set, not this rank's share: every rank count runs the same strategy
+        one_pass = self.samples is not None and batch_size >= self.samples.n_samples and runs_in_one_pass(recipe)
         self.strategy = OnePassStrategy(policy) if one_pass else StagedStrategy()
 
     def run(self, progress: bool) -> dict[str, QuantizedWeight]:
@@ -93,11 +98,12 @@ class LayerByLayer:
             residency.restore(layer, prefix, record)
             self.advance(i, None)
             if self.reference is not None:
-                self.reference = self.store.load_reference(i) or self.reference
+                saved = self.store.load_reference(i)
+                self.reference = split_rows(saved[0], self.reference) if saved else self.reference
             return record.quantized
         ctx = LayerContext(index=i, layer=layer, prefix=prefix, adapter=self.adapter, config=self.model.config,
                            schemes={n[len(prefix):]: s for n, s in self.schemes.items() if n.startswith(prefix)},
-                           inputs=self.inputs, run_layer=lambda: self.run_layer(i))
+                           inputs=self.inputs, run_layer=lambda: self.run_layer(i), samples=self.samples)
         self.recipe.begin_layer(ctx)
         if self.reference is not None:  # the layer as the unquantized model has it: transformed, not quantized
             ctx.reference_layer = copy.deepcopy(layer)
@@ -127,7 +133,7 @@ class LayerByLayer:
         """Saved before the layer returns to its storage dtype (resume restores exactly this)."""
         if self.store is not None and i not in self.done:
             if self.reference is not None:  # before the record: a saved layer always has its reference
-                self.store.save_reference(i, self.reference)
+                self.store.save_reference(i, [join_rows(self.reference)])
             prefix = self.layer_prefix(i)
             self.store.save_layer(LayerRecord(index=i, quantized=layer_results,
                                               other=residency.other_tensors(self.layers[i], prefix, layer_results)))
@@ -144,11 +150,21 @@ class LayerByLayer:
             self.policy.trim_heap()  # the layer's freed temporaries and replaced weights go back to the OS
 
 
+def join_rows(batches: list) -> torch.Tensor:
+    """A list of per-batch hidden states as one tensor of this process's samples, in order."""
+    return batches[0] if len(batches) == 1 else torch.cat(batches)
+
+
+def split_rows(whole: torch.Tensor, like: list) -> list:
+    """`whole` (this process's samples, in order) cut into batches shaped like `like`'s."""
+    return list(whole.split([t.shape[0] for t in like]))
+
+
 def quantize_model(model, adapter, recipe, schemes: dict[str, LinearScheme], input_ids: Optional[torch.Tensor],
                    device: torch.device | str = "cpu", activation_device: torch.device | str = "cpu",
                    compute_dtype: torch.dtype = torch.float32, batch_size: int = 8, progress: bool = True,
                    store: Optional[ProgressStore] = None, layer_source=None, release_layers: bool = False,
-                   policy: Optional[MemoryPolicy] = None) -> dict[str, QuantizedWeight]:
+                   policy: Optional[MemoryPolicy] = None, comm: Optional[Comm] = None) -> dict[str, QuantizedWeight]:
     """Quantize every linear named in `schemes` (full names) with `recipe` (a Recipe, or one step:
     see `Recipe.of`) and return their QuantizedWeights.
 
@@ -159,11 +175,13 @@ def quantize_model(model, adapter, recipe, schemes: dict[str, LinearScheme], inp
     memory does not grow with the model's depth. With a `layer_source` (streaming), a layer's weights
     are read from disk only while it is processed. With `release_layers` (needs a `store`; what
     `quantize` does) each finished layer's tensors are dropped instead, leaving the model's layers on
-    the meta device."""
+    the meta device. With a `comm` of several data-parallel ranks (every rank passes the whole
+    `input_ids`), each rank calibrates its share of the samples and the steps' statistics are
+    reduced across the ranks (quantkit.reduction): every rank ends with the same results."""
     run = LayerByLayer(model, adapter, Recipe.of(recipe), schemes, input_ids, device=device,
                        activation_device=activation_device, compute_dtype=compute_dtype, batch_size=batch_size,
                        store=store, layer_source=layer_source, release_layers=release_layers,
-                       policy=policy or memory_policy())
+                       policy=policy or memory_policy(), comm=comm)
     return run.run(progress)
 
 
@@ -175,13 +193,14 @@ def transform_model(model, transform, input_ids: torch.Tensor, batch_size: int =
     from quantkit.models import get_adapter
 
     adapter = get_adapter(model)
-    inputs = capture_layer_inputs(model, adapter, input_ids, batch_size, "cpu", "cpu")
+    samples = SampleLayout.local(input_ids.shape[0], input_ids.shape[1], batch_size)
+    inputs = capture_layer_inputs(model, adapter, input_ids, batch_size, "cpu", "cpu", batches=samples.batches)
     prefix = adapter.layers_prefix(model)
     for i, layer in enumerate(adapter.decoder_layers(model)):
         schemes = {n: transform_scheme(transform) for n in adapter.linear_names(layer)}
         ctx = LayerContext(index=i, layer=layer, prefix=f"{prefix}.{i}.", adapter=adapter, config=model.config,
-                           schemes=schemes, inputs=inputs, run_layer=lambda layer=layer: run_layer(layer, inputs, "cpu",
-                                                                                                  torch.float32, "cpu"))
+                           schemes=schemes, inputs=inputs, samples=samples,
+                           run_layer=lambda layer=layer: run_layer(layer, inputs, "cpu", torch.float32, "cpu"))
         transform.begin_layer(ctx)
         inputs[:] = [(out, kw) for out, (_, kw) in zip(ctx.run_layer(), inputs)]
 

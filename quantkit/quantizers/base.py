@@ -19,6 +19,7 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.qtensor import LinearSpec
 from quantkit.qtensor import QuantizedWeight
+from quantkit.reduction import SampleLayout
 from quantkit.scheme import LinearScheme
 
 _REGISTRY: dict[str, type["Step"]] = {}
@@ -40,6 +41,9 @@ class LayerContext:
     # transforms, which are exact in full precision) and the unquantized model's inputs of this layer
     reference_layer: Optional[nn.Module] = None
     reference_inputs: Optional[list] = None
+    # where `inputs` sit in the whole calibration set (data-parallel ranks hold a share of it): every
+    # sum, maximum or sample a step takes over the inputs goes through it (see quantkit.reduction)
+    samples: Optional[SampleLayout] = None
 
 
 class Step:

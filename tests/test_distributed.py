@@ -1,0 +1,159 @@
+"""Data-parallel calibration (quantkit.reduction, quantkit.pipeline.distributed, quantkit.launch).
+
+Ranks on localhost (gloo) must write the single-process checkpoint byte for byte, for every method;
+a rank that is killed or hangs must end the run with exit code != 0 and one line, within the
+collective timeout; `--resume` continues at any rank count to the uninterrupted bytes; torchrun
+runs the same code as `--nproc`.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import last_json, run_cli
+from test_robustness import random_llama_with_demo_tokenizer, tree_sha256
+
+from quantkit.reduction import LEAVES, RowSum, SampleLayout, leaf_bounds, left_fold
+
+
+# ------------------------------------------------------------------ the fixed shape of every sum (in-process)
+
+def _tree(values: list):
+    """The perfect binary tree over the leaves, written out (None: an empty leaf)."""
+    while len(values) > 1:
+        pairs = zip(values[0::2], values[1::2])
+        values = [a if b is None else b if a is None else a + b for a, b in pairs]
+    return values[0]
+
+
+@pytest.mark.parametrize("pieces", [[24], [5, 19], [3] * 8, [7, 1, 16], [1] * 24])
+def test_row_sum_is_the_leaf_tree_whatever_pieces_the_rows_come_in(pieces):
+    """24 samples of 2 rows, 8 leaves of 3 samples: the rows arrive in `pieces` (samples per call);
+    RowSum cuts each call at the leaf boundaries, sums a leaf's pieces left to right and adds the
+    leaves as a perfect binary tree. The oracle spells that computation out."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 5, generator=g) * torch.logspace(-3, 3, 5)
+    layout = SampleLayout.local(24, rows_per_sample=2, batch_size=24)
+    total, start = RowSum(layout), 0
+    for n in pieces:
+        rows = x[2 * start:2 * (start + n)]
+        total.add(rows.shape[0], lambda r, part, rows=rows: rows[r].sum(0) if part is None else part + rows[r].sum(0))
+        start += n
+    calls = [2 * sum(pieces[:i]) for i in range(len(pieces) + 1)]
+    bounds = [2 * b for b in leaf_bounds(24)]
+    leaves = []
+    for a, b in zip(bounds, bounds[1:]):
+        cuts = sorted({a, b, *(c for c in calls if a < c < b)})
+        part = None
+        for s, e in zip(cuts, cuts[1:]):
+            part = x[s:e].sum(0) if part is None else part + x[s:e].sum(0)
+        leaves.append(part)
+    assert torch.equal(total.total(), _tree(leaves))
+    with pytest.raises(RuntimeError, match="after the total"):
+        total.add(1, lambda r, part: part)
+
+
+def test_row_sum_needs_every_row():
+    total = RowSum(SampleLayout.local(8, rows_per_sample=1, batch_size=8))
+    total.add(5, lambda r, part: torch.ones(2))
+    with pytest.raises(RuntimeError, match="5 of this rank's 8 calibration rows"):
+        total.total()
+
+
+@pytest.mark.parametrize("n", [2, 8, 13, 128])
+@pytest.mark.parametrize("batch", [1, 5, 1000])
+def test_rank_shares_are_whole_leaves_and_cut_the_one_process_batches(n, batch):
+    world_sizes = [w for w in (1, 2, 4, 8) if w <= n]
+    one = SampleLayout.local(n, 3, batch)
+    assert one.batches == tuple((s, min(s + batch, n)) for s in range(0, n, batch))
+    for world in world_sizes:
+        layouts = [SampleLayout.build(_FakeComm(r, world), n, 3, batch) for r in range(world)]
+        assert [lay.first for lay in layouts] == [leaf_bounds(n)[r * LEAVES // world] for r in range(world)]
+        assert all(lay.stop > lay.first for lay in layouts), "every rank holds a sample"
+        pieces = [p for lay in layouts for a, b in lay.batches for p in lay.pieces(a, b)]
+        assert pieces == [p for a, b in one.batches for p in one.pieces(a, b)], "the same pieces as one process"
+
+
+class _FakeComm:
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+
+
+# ------------------------------------------------------------------ collectives on four gloo ranks
+
+def _rank_values(rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(1001, generator=g) * torch.logspace(-6, 6, 1001)  # an odd count, wide range
+
+
+def _collectives_rank(rank: int, world: int, port: int, out: str) -> None:
+    from quantkit.pipeline.distributed import join_group, leave_group
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    comm = join_group(torch.device("cpu"), 60)
+    result = {
+        "tree": comm.tree_sum_(_rank_values(rank)),
+        "rows": comm.gather_rows(torch.full((rank + 1, 2), float(rank))),
+        "ordered": torch.tensor(comm.ordered_sum([1e16 if rank == 0 else 1.0, 0.1 * rank]), dtype=torch.float64),
+        "max": comm.max_(torch.tensor([float(rank), -float(rank)])),
+        "ints": torch.tensor(comm.sum_ints([rank, 1])),
+        "bytes": torch.tensor(list(comm.broadcast_bytes(b"from rank 0" if rank == 0 else None))),
+    }
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    leave_group()
+
+
+def test_collectives_on_four_gloo_ranks(tmp_path):
+    """The tree sum is ((r0 + r1) + (r2 + r3)) bit for bit on every rank (not the left fold, which
+    these values tell apart); rows gather in rank order; ordered sums fold left in rank order."""
+    import torch.multiprocessing as mp
+
+    from quantkit.launch import free_port
+
+    world = 4
+    mp.start_processes(_collectives_rank, args=(world, free_port(), str(tmp_path)), nprocs=world, start_method="spawn")
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    v = [_rank_values(r) for r in range(world)]
+    tree, fold = (v[0] + v[1]) + (v[2] + v[3]), ((v[0] + v[1]) + v[2]) + v[3]
+    assert not torch.equal(tree, fold), "the values must tell the two orders apart"
+    rows = torch.cat([torch.full((r + 1, 2), float(r)) for r in range(world)])
+    values = [1e16, 0.0, 1.0, 0.1, 1.0, 0.2, 1.0, 0.30000000000000004]
+    for r in got:
+        assert torch.equal(r["tree"], tree)
+        assert torch.equal(r["rows"], rows)
+        assert float(r["ordered"]) == left_fold(values)
+        assert r["max"].tolist() == [3.0, 0.0] and r["ints"].tolist() == [6, 4]
+        assert bytes(r["bytes"].tolist()) == b"from rank 0"
+
+
+# ------------------------------------------------------------------ two gloo ranks write the single-process bytes
+
+VARIANTS = {
+    "rtn": dict(method="rtn"),
+    "gptq": dict(method="gptq"),  # one batch: quantized inside one forward per layer
+    "gptaq-staged": dict(method="gptq", batch_size=5, options={"gptaq": True}),  # batches cut by the ranks
+    "awq": dict(method="awq"),
+    "smoothquant": dict(method="smoothquant", options={"alpha": "auto", "activations": "static"}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_two_gloo_ranks_write_the_single_process_bytes(variant, tiny_llama_dir, tmp_path):
+    import quantkit
+
+    kwargs = dict(VARIANTS[variant], progress=False)
+    if variant != "smoothquant":
+        kwargs["group_size"] = 32
+    if kwargs["method"] != "rtn":
+        kwargs.update(num_samples=13, seq_len=24, dataset="lee")  # 13: leaves of unequal size
+    one = quantkit.quantize(str(tiny_llama_dir), output=tmp_path / "one", **kwargs)
+    two = quantkit.quantize(str(tiny_llama_dir), output=tmp_path / "two", nproc=2, **kwargs)
+    assert two["ranks"] == 2 and "ranks" not in one
+    assert tree_sha256(tmp_path / "two") == tree_sha256(tmp_path / "one")
