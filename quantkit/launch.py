@@ -15,6 +15,7 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import warnings
 from typing import Any, Callable
 
@@ -43,9 +44,10 @@ def run_local_ranks(nproc: int, target: Callable[..., Any], kwargs: dict) -> Any
         raise QuantkitError(f"--nproc hands the arguments to new processes, and one cannot be pickled "
                             f"({first_line(exc)}); pass names or files instead of in-memory objects") from None
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.SimpleQueue()
+    # one pipe per rank for its one message (a Queue's semaphores would leak when a rank is killed)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
     port, quiet = free_port(), _library_quietness()
-    ranks = [ctx.Process(target=_rank_main, args=(rank, nproc, port, target, kwargs, results, quiet),
+    ranks = [ctx.Process(target=_rank_main, args=(rank, nproc, port, target, kwargs, pipes[rank][1], quiet),
                          name=f"quantkit-rank{rank}") for rank in range(nproc)]
     for p in ranks:
         p.start()
@@ -54,7 +56,7 @@ def run_local_ranks(nproc: int, target: Callable[..., Any], kwargs: dict) -> Any
     except BaseException:
         _stop(ranks)
         raise
-    messages = _drain(results)
+    messages = _drain([receive for receive, _ in pipes])
     if failed:
         cause = _first_cause(failed, messages)
         raise RankFailed(_failure_line(cause, ranks[cause].exitcode, messages, alive))
@@ -96,6 +98,8 @@ def _stop(ranks: list) -> None:
     for p in ranks:
         if p.is_alive():
             p.terminate()
+            if hasattr(signal, "SIGCONT"):  # a stopped (hung) rank handles SIGTERM only once continued
+                os.kill(p.pid, signal.SIGCONT)
     for p in ranks:
         p.join(STOP_GRACE_S)
         if p.is_alive():
@@ -103,11 +107,15 @@ def _stop(ranks: list) -> None:
             p.join()
 
 
-def _drain(results) -> dict[int, tuple[str, Any]]:
+def _drain(pipes: list) -> dict[int, tuple[str, Any]]:
+    """Each rank's message (kind, value), where it sent one."""
     out: dict[int, tuple[str, Any]] = {}
-    while not results.empty():
-        rank, kind, value = results.get()
-        out.setdefault(rank, (kind, value))
+    for rank, conn in enumerate(pipes):
+        try:
+            if conn.poll():
+                out[rank] = conn.recv()
+        except (EOFError, OSError):
+            pass
     return out
 
 
@@ -149,17 +157,22 @@ def _rank_main(rank: int, world: int, port: int, target: Callable[..., Any], kwa
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _copy_quietness(quiet)
+    from tqdm.std import tqdm
+
+    # tqdm's default lock is a multiprocessing semaphore: a killed rank would leave it registered
+    # with the parent's resource tracker, which then warns about it at exit
+    tqdm.set_lock(threading.RLock())
     if rank:
         warnings.simplefilter("ignore")  # rank 0 speaks for the run
     try:
         value = target(**kwargs)
     except QuantkitError as exc:
-        results.put((rank, "error", f"failed: {exc}"))
+        results.send(("error", f"failed: {exc}"))
         sys.exit(2)
     except BaseException as exc:  # noqa: BLE001 - one line for the parent, whatever happened
-        results.put((rank, *describe_crash(exc)))
+        results.send(describe_crash(exc))
         sys.exit(1)
-    results.put((rank, "ok", value))
+    results.send(("ok", value))
 
 
 def describe_crash(exc: BaseException) -> tuple[str, str]:

@@ -157,3 +157,99 @@ def test_two_gloo_ranks_write_the_single_process_bytes(variant, tiny_llama_dir, 
     two = quantkit.quantize(str(tiny_llama_dir), output=tmp_path / "two", nproc=2, **kwargs)
     assert two["ranks"] == 2 and "ranks" not in one
     assert tree_sha256(tmp_path / "two") == tree_sha256(tmp_path / "one")
+
+
+# ------------------------------------------------------------------ a rank that dies or hangs; --resume at any rank count
+
+@pytest.fixture(scope="module")
+def six_layer_llama(tmp_path_factory) -> Path:
+    return random_llama_with_demo_tokenizer(tmp_path_factory, "dp-llama", layers=6, hidden=128, intermediate=384,
+                                            layers_per_shard=3, seed=1)
+
+
+def _rank_pids(parent: int) -> list[int]:
+    """The rank processes `quantize --nproc` started (its spawned children, not the resource tracker)."""
+    kids = []
+    for task in os.listdir(f"/proc/{parent}/task"):
+        kids += [int(c) for c in Path(f"/proc/{parent}/task/{task}/children").read_text().split()]
+    return sorted(c for c in kids if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
+
+
+def _signal_a_rank_after(args: list, output: Path, layer: int, sig: int) -> tuple[subprocess.CompletedProcess, float]:
+    """Start `quantize ARGS --output OUTPUT`, wait for layer `layer`'s progress record, send `sig` to
+    the last rank; returns the finished run and the seconds it took to end after the signal."""
+    record = output.parent / f".{output.name}.partial" / "layers" / f"layer-{layer:05d}.safetensors"
+    proc = subprocess.Popen([sys.executable, "-m", "quantkit", "quantize", *map(str, args), "--output", str(output)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not record.exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, f"layer {layer} never finished"
+            time.sleep(0.005)
+        os.kill(_rank_pids(proc.pid)[-1], sig)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=300)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _assert_one_line(proc, *needles) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the rank processes through /proc")
+def test_a_killed_or_hung_rank_ends_the_run_and_resume_finishes_it_at_any_rank_count(tmp_path, six_layer_llama):
+    args = ["--model", six_layer_llama, "--method", "gptq", "--group-size", "32", "--num-samples", "8",
+            "--seq-len", "64", "--json"]
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    proc = run_cli("quantize", *args, "--output", ref)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    # a rank killed once layer 1 is on disk: the run stops at once, with one line
+    killed, seconds = _signal_a_rank_after([*args, "--nproc", "2", "--dist-timeout", "60"], out, 1, signal.SIGKILL)
+    _assert_one_line(killed, "was killed (SIGKILL)", "--resume")
+    assert seconds < 30, seconds
+    staging = tmp_path / ".out.partial"
+    done = len(list(staging.glob("layers/layer-*.safetensors")))
+    assert 2 <= done < 6 and not out.exists()
+
+    # resumed on 2 ranks, one of which then hangs (stopped): the other gives up after the timeout
+    hung, seconds = _signal_a_rank_after([*args, "--nproc", "2", "--dist-timeout", "8", "--resume"], out, done,
+                                         signal.SIGSTOP)
+    _assert_one_line(hung, "got no answer from rank", "timed out")
+    assert 8 <= seconds < 8 + 30, seconds
+    assert len(list(staging.glob("layers/layer-*.safetensors"))) > done, "the resumed run made progress"
+
+    # resumed in one process: the uninterrupted bytes
+    proc = run_cli("quantize", *args, "--output", out, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert tree_sha256(out) == tree_sha256(ref) and not staging.exists()
+
+
+# ------------------------------------------------------------------ torchrun runs the same code as --nproc
+
+def test_torchrun_writes_what_nproc_writes(tmp_path, six_layer_llama):
+    """`torchrun --nproc-per-node 2 -m quantkit quantize ...` uses the launched group: the bytes of
+    `--nproc 2` (and of one process). torchrun sets OMP_NUM_THREADS=1 for its workers unless told:
+    on CPU, LAPACK's Cholesky rounds differently with another thread count, so the workers get the
+    thread count of a plain run."""
+    args = ["--model", six_layer_llama, "--method", "gptq", "--group-size", "32", "--num-samples", "8",
+            "--seq-len", "64", "--json"]
+    proc = run_cli("quantize", *args, "--nproc", "2", "--output", tmp_path / "nproc")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "quantkit", "quantize", *map(str, args), "--output", str(tmp_path / "torchrun")],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = last_json(proc.stdout)  # rank 0's alone: the other rank prints nothing
+    assert summary["ranks"] == 2 and proc.stdout.count('"ranks"') == 1
+    assert tree_sha256(tmp_path / "torchrun") == tree_sha256(tmp_path / "nproc")
