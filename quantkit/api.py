@@ -52,6 +52,8 @@ def quantize(
     gguf_type: Optional[str] = None,
     nproc: Optional[int] = None,
     dist_timeout: Optional[float] = None,
+    device_map: Optional[str] = None,
+    max_memory: Union[str, dict, None] = None,
 ) -> Optional[dict[str, Any]]:
     """Quantize `model` with `method` and write a packed checkpoint; returns a summary dict.
 
@@ -69,7 +71,11 @@ def quantize(
     calibration samples (gloo on CPU; with device="cuda" each rank on its own GPU, NCCL); under
     torchrun the launched group is used instead. Any rank count writes the same bytes. Rank 0 writes
     the output and returns the summary; other ranks of a torchrun group return None. A rank that
-    fails or hangs ends the run within `dist_timeout` seconds (default 600)."""
+    fails or hangs ends the run within `dist_timeout` seconds (default 600).
+
+    `device_map="auto"` places the decoder layers with accelerate's device map (GPUs, then host
+    memory, then disk, within `max_memory`: {0: "70GiB", "cpu": "200GiB"} or "0=70GiB,cpu=200GiB");
+    each layer is calibrated on the GPU that holds it, and layers left on disk are streamed."""
     args = dict(locals())
     from quantkit.models import get_adapter
     from quantkit.plan import resolve_plan
@@ -92,8 +98,12 @@ def quantize(
         _on_rank0(comm, lambda: _check_output(Path(output), overwrite, resume))
     # held in its storage dtype (bf16 halves the resident model); each decoder layer is cast to fp32
     # only while it is calibrated (exact), and capture_layer_inputs runs the embeddings in fp32
+    if device_map is not None and comm is not None:
+        raise QuantkitError("--device-map and data-parallel ranks do not combine yet: each rank calibrates on one "
+                            "device; drop one of them")
     hf_model, tokenizer, base_name, layer_source = load_source_model(
-        model, dtype=None, trust_remote_code=trust_remote_code, streaming=streaming)
+        model, dtype=None, trust_remote_code=trust_remote_code, streaming=streaming, device_map=device_map,
+        max_memory=_max_memory(max_memory))
     save_dtype = parse_dtype(dtype) or source_dtype(hf_model.config)
     schemes = _linear_schemes(plan, hf_model)
     if output is None:
@@ -118,7 +128,14 @@ def quantize(
         del hf_model
         metrics = _record_quality(output, model, plan, device)
     return {**_summary(output, plan, schemes, layer_source, cal_batch, t0, metrics),
-            **({"ranks": comm.world} if comm is not None else {})}
+            **({"ranks": comm.world, "collective_bytes": dict(comm.traffic)} if comm is not None else {}),
+            **({"placement": layer_source.placement()} if device_map is not None else {})}
+
+
+def _max_memory(value) -> Optional[dict]:
+    from quantkit.placement import parse_max_memory
+
+    return parse_max_memory(value) if isinstance(value, str) else value
 
 
 _SPAWNED = object()  # _join_run's answer when this call must start the ranks itself (--nproc)

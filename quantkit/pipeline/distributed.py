@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections import Counter
 from typing import Optional
 
 import torch
@@ -74,7 +75,7 @@ class TorchComm:
     def __init__(self, device: torch.device):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = device  # where collectives run (NCCL: this rank's GPU)
-        self.bytes_reduced = 0  # payload of tree sums, for measuring communication volume
+        self.traffic: Counter = Counter()  # payload bytes by kind of collective, for the run's summary
 
     def tree_sum_(self, t: torch.Tensor) -> torch.Tensor:
         """Recursive halving then doubling: at step d every rank adds its partner's (rank ^ d) half of
@@ -83,7 +84,7 @@ class TorchComm:
         finished pieces are swapped back. Same volume as a ring all-reduce, any element count."""
         if self.world == 1:
             return t
-        self.bytes_reduced += t.numel() * t.element_size()
+        self.traffic["tree_sum"] += t.numel() * t.element_size()
         work = t.detach().reshape(-1).to(self.device).contiguous()
         steps, lo, hi, d = [], 0, work.numel(), 1
         while d < self.world:
@@ -109,6 +110,7 @@ class TorchComm:
             request.wait()
 
     def max_(self, t: torch.Tensor) -> torch.Tensor:
+        self.traffic["max"] += t.numel() * t.element_size()
         work = t.to(self.device)
         dist.all_reduce(work, op=dist.ReduceOp.MAX)
         if work is not t:
@@ -117,6 +119,7 @@ class TorchComm:
 
     def sum_ints(self, values: list[int]) -> list[int]:
         t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        self.traffic["counts"] += t.numel() * t.element_size()
         dist.all_reduce(t)
         return [int(v) for v in t.tolist()]
 
@@ -132,6 +135,7 @@ class TorchComm:
         padded[:t.shape[0]] = t
         parts = [torch.empty_like(padded) for _ in range(self.world)]
         dist.all_gather(parts, padded)
+        self.traffic["gather"] += sum(sizes) * padded[0].numel() * padded.element_size()
         return torch.cat([p[:n] for p, n in zip(parts, sizes)]).to(t.device)
 
     def ordered_sum(self, values: list[float]) -> float:
@@ -145,6 +149,7 @@ class TorchComm:
         buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 and data
                else torch.empty(int(size), dtype=torch.uint8))
         buf = buf.to(self.device)
+        self.traffic["broadcast"] += int(size)
         if int(size):
             dist.broadcast(buf, 0)
         return bytes(buf.cpu().numpy())

@@ -84,11 +84,15 @@ class LayerByLayer:
     def layer_prefix(self, i: int) -> str:
         return f"{self.prefix}.{i}."
 
+    def device_of(self, i: int) -> torch.device:
+        """Where layer i is calibrated: the compute device, or the GPU a device map put it on."""
+        return self.layer_source.compute_device(i, self.device) if self.layer_source is not None else self.device
+
     def load(self, i: int) -> dict:
-        """Layer i on the compute device in the compute dtype (read from disk first when streaming)."""
+        """Layer i on its compute device in the compute dtype (read from disk first when streaming)."""
         if self.layer_source is not None:
             self.layer_source.materialize(i)
-        return residency.to_compute(self.layers[i], self.device, self.compute_dtype)
+        return residency.to_compute(self.layers[i], self.device_of(i), self.compute_dtype)
 
     def calibrate(self, i: int) -> dict[str, QuantizedWeight]:
         """Layer i's quantized results (computed, or restored from the store), its outputs passed on."""
@@ -108,18 +112,18 @@ class LayerByLayer:
         if self.reference is not None:  # the layer as the unquantized model has it: transformed, not quantized
             ctx.reference_layer = copy.deepcopy(layer)
             ctx.reference_inputs = [(h, kw) for h, (_, kw) in zip(self.reference, self.inputs)]
-        layer_results, outputs = self.strategy.quantize_layer(ctx, self.recipe, self.device, self.compute_dtype,
+        layer_results, outputs = self.strategy.quantize_layer(ctx, self.recipe, self.device_of(i), self.compute_dtype,
                                                                observe=self.recipe.needs_observe)
         self.advance(i, outputs)
         if ctx.reference_layer is not None:
-            self.reference = run_layer(ctx.reference_layer, ctx.reference_inputs, self.device, self.compute_dtype,
+            self.reference = run_layer(ctx.reference_layer, ctx.reference_inputs, self.device_of(i), self.compute_dtype,
                                        self.activation_device)
             ctx.reference_layer = ctx.reference_inputs = None
         self.recipe.end_layer(ctx)
         return layer_results
 
     def run_layer(self, i: int) -> list:
-        return run_layer(self.layers[i], self.inputs, self.device, self.compute_dtype, self.activation_device)
+        return run_layer(self.layers[i], self.inputs, self.device_of(i), self.compute_dtype, self.activation_device)
 
     @torch.no_grad()
     def advance(self, i: int, outputs: Optional[list]) -> None:
