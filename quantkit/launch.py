@@ -59,6 +59,9 @@ def run_local_ranks(nproc: int, target: Callable[..., Any], kwargs: dict) -> Any
     messages = _drain([receive for receive, _ in pipes])
     if failed:
         cause = _first_cause(failed, messages)
+        kind, text = messages.get(cause, ("", ""))
+        if kind == "error":  # a problem a rank found with the input (every rank finds it): said as one process says it
+            raise QuantkitError(text)
         raise RankFailed(_failure_line(cause, ranks[cause].exitcode, messages, alive))
     if 0 not in messages:
         raise RankFailed("data-parallel run stopped: rank 0 ended without a result")
@@ -167,7 +170,7 @@ def _rank_main(rank: int, world: int, port: int, target: Callable[..., Any], kwa
     try:
         value = target(**kwargs)
     except QuantkitError as exc:
-        results.send(("error", f"failed: {exc}"))
+        results.send(("error", str(exc)))
         sys.exit(2)
     except BaseException as exc:  # noqa: BLE001 - one line for the parent, whatever happened
         results.send(describe_crash(exc))

@@ -51,6 +51,9 @@ class Comm(Protocol):
     def ordered_sum(self, values: list[float]) -> float:
         """All ranks' values, in rank order, added left to right from 0.0 (as one process would add them)."""
 
+    def agree(self, digest: torch.Tensor) -> bool:
+        """Whether every rank holds the same (integer) digest."""
+
 
 class LocalComm:
     """A run in one process: every reduction is the identity."""
@@ -71,6 +74,9 @@ class LocalComm:
 
     def ordered_sum(self, values: list[float]) -> float:
         return left_fold(values)
+
+    def agree(self, digest: torch.Tensor) -> bool:
+        return True
 
 
 def left_fold(values) -> float:

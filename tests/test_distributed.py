@@ -267,3 +267,50 @@ def test_two_gloo_ranks_write_the_single_process_bytes_on_the_demo(method, tmp_p
     assert two.returncode == 0, two.stderr[-3000:]
     assert last_json(two.stdout)["ranks"] == 2
     assert tree_sha256(tmp_path / "two") == tree_sha256(tmp_path / "one")
+
+
+# ------------------------------------------------------------------ a step that keeps its own statistics is caught
+
+from quantkit.quantizers.base import Quantizer  # noqa: E402
+
+
+class LocalMeanRTN(Quantizer):
+    """Rounds each weight scaled by the mean |input| it saw itself: statistics kept outside
+    quantkit.reduction, so on two ranks each rank sees only its half of the samples."""
+
+    name = "local-mean-rtn"
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.seen: dict[str, float] = {}
+
+    def observe(self, name, module, x, reference=None):
+        self.seen[name] = float(x.abs().mean())
+
+    def quantize_linear(self, name, module, scheme):
+        from quantkit.quantizers.grid import rtn_quantize
+
+        weight = module.weight.data * (1.0 + self.seen.pop(name))
+        return rtn_quantize(weight, scheme.bits, scheme.group_size, scheme.sym, module.bias)
+
+
+def test_ranks_that_would_write_different_layers_stop_the_run(tiny_llama_dir, tmp_path):
+    import quantkit
+    from quantkit.errors import QuantkitError
+
+    with pytest.raises(QuantkitError, match="hold different quantized layers") as failed:
+        quantkit.quantize(str(tiny_llama_dir), LocalMeanRTN(), group_size=32, num_samples=8, seq_len=16,
+                          output=tmp_path / "out", nproc=2, progress=False)
+    assert "layer 0" in str(failed.value) and not (tmp_path / "out").exists()
+
+
+def test_an_input_problem_on_ranks_is_said_as_one_process_says_it(tmp_path, tiny_llama_dir):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("mine")
+    args = ["--model", tiny_llama_dir, "--method", "rtn", "--output", tmp_path / "taken"]
+    one, two = run_cli("quantize", *args), run_cli("quantize", *args, "--nproc", "2")
+    assert one.returncode == two.returncode == 2 and "Traceback" not in two.stderr
+    assert two.stderr.strip().splitlines() == one.stderr.strip().splitlines()
+    assert (tmp_path / "taken" / "file").read_text() == "mine"
+    three = run_cli("quantize", *args, "--nproc", "3")
+    assert three.returncode == 2 and "1, 2, 4 or 8 ranks" in three.stderr

@@ -42,26 +42,33 @@ def check_world(world: int) -> None:
 
 
 def rank_device(device: Optional[str]) -> torch.device:
-    """This rank's compute device: its own GPU (LOCAL_RANK) when the run computes on CUDA."""
+    """This rank's compute device: its own GPU (LOCAL_RANK) when the run computes on CUDA; with more
+    ranks on the node than GPUs, the GPUs are shared round-robin."""
     dev = torch.device(device or "cpu")
     if dev.type == "cuda":
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
         torch.cuda.set_device(dev)
     return dev
 
 
+def _nccl_usable(device: torch.device) -> bool:
+    """NCCL wants one rank per GPU; ranks sharing a GPU talk through gloo (host memory) instead."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return device.type == "cuda" and local_world <= torch.cuda.device_count()
+
+
 def join_group(device: torch.device, timeout_s: float) -> "TorchComm":
-    """Join the group the launcher started (env://), gloo on CPU and NCCL on CUDA."""
+    """Join the group the launcher started (env://): NCCL between GPUs, else gloo."""
     world = launched_world()
     check_world(world)
     for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
         if key not in os.environ:
             raise QuantkitError(f"WORLD_SIZE={world} is set but {key} is not; launch with torchrun or --nproc")
+    nccl = _nccl_usable(device)
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
-    return TorchComm(device if device.type == "cuda" else torch.device("cpu"))
+        dist.init_process_group("nccl" if nccl else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if nccl else None)
+    return TorchComm(device if nccl else torch.device("cpu"))
 
 
 def leave_group() -> None:
@@ -142,6 +149,10 @@ class TorchComm:
         everything = self.gather_rows(torch.tensor(values, dtype=torch.float64).reshape(-1, 1))
         return left_fold(everything.reshape(-1).tolist())
 
+    def agree(self, digest: torch.Tensor) -> bool:
+        everyone = self.gather_rows(digest.reshape(1, -1).to(torch.int64))
+        return bool((everyone == everyone[0]).all())
+
     def broadcast_bytes(self, data: Optional[bytes]) -> bytes:
         """`data` from rank 0 on every rank."""
         size = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64, device=self.device)
@@ -188,7 +199,6 @@ class ReplicatedStore:
     def __init__(self, store: Optional[ProgressStore], comm: TorchComm, n_samples: int):
         self.store, self.comm = store, comm
         self.rows = rank_samples(n_samples, comm.rank, comm.world)
-        self.folder = store.folder if store is not None else None
 
     def done_layers(self) -> list[int]:
         text = ",".join(map(str, self.store.done_layers())).encode() if self.comm.rank == 0 else None
@@ -213,7 +223,7 @@ class ReplicatedStore:
         data = self.comm.broadcast_bytes((self.store.reference_bytes(index) or b"") if self.comm.rank == 0 else None)
         if not data:
             return None
-        (whole,) = reference_from_bytes(data)
+        whole = torch.cat(reference_from_bytes(data))  # one tensor; an older run saved one per batch
         return [whole[self.rows[0]:self.rows[1]]]
 
 

@@ -49,7 +49,8 @@ class LayerByLayer:
         self.prefix = adapter.layers_prefix(model)
         self.done = set(store.done_layers()) if store is not None else set()
         # this process's share of the calibration set (all of it unless data-parallel), in batches
-        self.samples = (SampleLayout.build(comm or LocalComm(), input_ids.shape[0], input_ids.shape[1], batch_size)
+        self.comm = comm or LocalComm()
+        self.samples = (SampleLayout.build(self.comm, input_ids.shape[0], input_ids.shape[1], batch_size)
                         if recipe.needs_calibration else None)
         self.inputs = (capture_layer_inputs(model, adapter, input_ids, batch_size, device, activation_device,
                                             compute_dtype, batches=self.samples.batches) if recipe.needs_calibration else [])
@@ -103,7 +104,7 @@ class LayerByLayer:
             self.advance(i, None)
             if self.reference is not None:
                 saved = self.store.load_reference(i)
-                self.reference = split_rows(saved[0], self.reference) if saved else self.reference
+                self.reference = split_rows(join_rows(saved), self.reference) if saved else self.reference
             return record.quantized
         ctx = LayerContext(index=i, layer=layer, prefix=prefix, adapter=self.adapter, config=self.model.config,
                            schemes={n[len(prefix):]: s for n, s in self.schemes.items() if n.startswith(prefix)},
@@ -120,6 +121,9 @@ class LayerByLayer:
                                        self.activation_device)
             ctx.reference_layer = ctx.reference_inputs = None
         self.recipe.end_layer(ctx)
+        if self.comm.world > 1 and not self.comm.agree(residency.digest(layer)):
+            raise QuantkitError(f"layer {i}: the data-parallel ranks hold different quantized layers: a step of recipe "
+                                f"{self.recipe.name!r} keeps statistics outside quantkit.reduction; run it in one process")
         return layer_results
 
     def run_layer(self, i: int) -> list:
