@@ -165,9 +165,14 @@ class SampleLayout:
 
     def row_chunks(self, rows: int) -> list[tuple[int, int]]:
         """This rank's rows (one batch of all its samples) in chunks of at most `rows`, restarting at
-        every leaf: each chunk lies in one leaf and starts at a fixed offset from that leaf's start."""
-        ends = [0, *self.leaf_row_ends()]
-        return [(s, min(s + rows, b)) for a, b in zip(ends, ends[1:]) for s in range(a, b, rows)]
+        every leaf: each chunk lies in one leaf and starts at a fixed offset from that leaf's start.
+        A leaf's chunks are as equal as integers allow (no sliver of a chunk at its end)."""
+        ends, out = [0, *self.leaf_row_ends()], []
+        for a, b in zip(ends, ends[1:]):
+            if b > a:
+                size = -(-(b - a) // -(-(b - a) // rows))  # ceil(leaf / number of chunks)
+                out += [(s, min(s + size, b)) for s in range(a, b, size)]
+        return out
 
 
 class RowSum:

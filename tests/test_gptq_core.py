@@ -569,8 +569,9 @@ def test_one_pass_driver_runs_a_gated_mlp_in_chunks_changing_only_rounding(monke
     one_pass = quantize_model(one_pass_model, get_adapter(model), one_pass_q, schemes, ids, batch_size=8,
                                         progress=False)
     # the structure probe's two forwards over layer 0 (all 8 sequences), then two layers, 256 tokens
-    # each, whose chunks restart at every leaf of the reduction tree (here one 32-token sequence each)
-    assert chunk_rows == ([24] * 10 + [16]) * 2 + [24, 8] * 8 * 2, chunk_rows
+    # each, whose chunks restart at every leaf of the reduction tree (here one 32-token sequence each,
+    # in two equal chunks)
+    assert chunk_rows == ([24] * 10 + [16]) * 2 + [16, 16] * 8 * 2, chunk_rows
     assert observed.count("mlp.down_proj") == 2 * 16 and observed.count("mlp.gate_proj") == 2
     torch.testing.assert_close(one_pass_q.down_hessian, staged_q.down_hessian, rtol=1e-5, atol=1e-7)
     for name in staged:

@@ -121,10 +121,15 @@ class LayerByLayer:
                                        self.activation_device)
             ctx.reference_layer = ctx.reference_inputs = None
         self.recipe.end_layer(ctx)
-        if self.comm.world > 1 and not self.comm.agree(residency.digest(layer)):
+        self.check_replicas(i)
+        return layer_results
+
+    def check_replicas(self, i: int) -> None:
+        """Every data-parallel rank must now hold the same layer i: what quantkit.reduction promises
+        for statistics reduced through it, checked (a custom step may keep its own)."""
+        if self.comm.world > 1 and not self.comm.agree(residency.digest(self.layers[i])):
             raise QuantkitError(f"layer {i}: the data-parallel ranks hold different quantized layers: a step of recipe "
                                 f"{self.recipe.name!r} keeps statistics outside quantkit.reduction; run it in one process")
-        return layer_results
 
     def run_layer(self, i: int) -> list:
         return run_layer(self.layers[i], self.inputs, self.device_of(i), self.compute_dtype, self.activation_device)
