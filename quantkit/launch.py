@@ -51,12 +51,14 @@ def run_local_ranks(nproc: int, target: Callable[..., Any], kwargs: dict) -> Any
                          name=f"quantkit-rank{rank}") for rank in range(nproc)]
     for p in ranks:
         p.start()
+    for _, send in pipes:
+        send.close()  # the ranks hold their ends
+    messages: dict[int, tuple[str, Any]] = {}
     try:
-        failed, alive = _watch(ranks)
+        failed, alive = _watch(ranks, [receive for receive, _ in pipes], messages)
     except BaseException:
         _stop(ranks)
         raise
-    messages = _drain([receive for receive, _ in pipes])
     if failed:
         cause = _first_cause(failed, messages)
         kind, text = messages.get(cause, ("", ""))
@@ -68,14 +70,18 @@ def run_local_ranks(nproc: int, target: Callable[..., Any], kwargs: dict) -> Any
     return messages[0][1]
 
 
-def _watch(ranks: list) -> tuple[list[int], list[int]]:
-    """Wait for every rank; once one exits non-zero, stop the rest. Returns the ranks that failed on
-    their own (several may have, in the same instant: a killed rank's peers lose contact at once) and
-    those still running then (a rank the others timed out waiting for is among them)."""
+def _watch(ranks: list, pipes: list, messages: dict) -> tuple[list[int], list[int]]:
+    """Wait for every rank (reading each one's message as it comes, into `messages`); once one exits
+    non-zero, stop the rest. Returns the ranks that failed on their own (several may have, in the
+    same instant: a killed rank's peers lose contact at once) and those still running then (a rank
+    the others timed out waiting for is among them)."""
     running = {p.sentinel: r for r, p in enumerate(ranks)}
+    waiting = {conn: r for r, conn in enumerate(pipes)}
     while running:
-        ready = multiprocessing.connection.wait(list(running))
-        done = [running.pop(sentinel) for sentinel in ready]
+        ready = multiprocessing.connection.wait(list(running) + list(waiting))
+        for conn in [c for c in ready if c in waiting]:
+            _receive(waiting.pop(conn), conn, messages)
+        done = [running.pop(s) for s in ready if s in running]
         for rank in done:
             ranks[rank].join()
         failed = [r for r in done if ranks[r].exitcode != 0]
@@ -83,8 +89,20 @@ def _watch(ranks: list) -> tuple[list[int], list[int]]:
             failed += [r for r in running.values() if not ranks[r].is_alive() and ranks[r].exitcode]
             alive = sorted(r for r in running.values() if r not in failed)
             _stop(ranks)
+            for conn, r in waiting.items():  # a message sent just before the end
+                _receive(r, conn, messages)
             return sorted(set(failed)), alive
+    for conn, r in waiting.items():
+        _receive(r, conn, messages)
     return [], []
+
+
+def _receive(rank: int, conn, messages: dict) -> None:
+    try:
+        if conn.poll():
+            messages[rank] = conn.recv()
+    except (EOFError, OSError):
+        pass
 
 
 def _first_cause(failed: list[int], messages: dict) -> int:
@@ -108,18 +126,6 @@ def _stop(ranks: list) -> None:
         if p.is_alive():
             p.kill()
             p.join()
-
-
-def _drain(pipes: list) -> dict[int, tuple[str, Any]]:
-    """Each rank's message (kind, value), where it sent one."""
-    out: dict[int, tuple[str, Any]] = {}
-    for rank, conn in enumerate(pipes):
-        try:
-            if conn.poll():
-                out[rank] = conn.recv()
-        except (EOFError, OSError):
-            pass
-    return out
 
 
 def _failure_line(rank: int, exitcode: int, messages: dict, alive: list[int]) -> str:

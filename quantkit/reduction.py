@@ -21,7 +21,6 @@ layer context. A rank count must be a power of two that divides `LEAVES`.
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
@@ -134,10 +133,6 @@ class SampleLayout:
     @property
     def first(self) -> int:
         return self.leaves[0]
-
-    @property
-    def stop(self) -> int:
-        return self.leaves[-1]
 
     def leaf_row_ends(self) -> list[int]:
         """Rows (tokens) seen by this rank when each of its leaves is complete."""
@@ -258,7 +253,3 @@ def _combine(left: Optional[torch.Tensor], right: Optional[torch.Tensor]) -> Opt
         return left
     return left.add_(right)
 
-
-def sum_over_ranks(layout: Optional[SampleLayout], values: list[int]) -> list[int]:
-    """Integer counts summed over the ranks (as they are without a layout)."""
-    return list(values) if layout is None else layout.comm.sum_ints(values)
