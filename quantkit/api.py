@@ -52,7 +52,11 @@ def quantize(
     gguf_type: Optional[str] = None,
     moe_calibration: Optional[str] = None,
     moe_min_tokens: Optional[int] = None,
-) -> dict[str, Any]:
+    nproc: Optional[int] = None,
+    dist_timeout: Optional[float] = None,
+    device_map: Optional[str] = None,
+    max_memory: Union[str, dict, None] = None,
+) -> Optional[dict[str, Any]]:
     """Quantize `model` with `method` and write a packed checkpoint; returns a summary dict.
 
     `method` is a step name (`gptq`), several (`awq,gptq` or a list: transforms, then one weight
@@ -65,49 +69,80 @@ def quantize(
     `streaming=None` reads decoder layers from disk one at a time when the model would not fit
     comfortably in memory (True/False force it). Mixture-of-Experts models are calibrated per expert:
     `moe_calibration` "routed" (each expert on the tokens routed to it; one that got fewer than
-    `moe_min_tokens` is quantized without calibration) or "all" (every token through every expert)."""
+    `moe_min_tokens` is quantized without calibration) or "all" (every token through every expert).
+
+    `nproc=N` (2, 4 or 8) calibrates data-parallel on N local processes, each on its share of the
+    calibration samples (gloo on CPU; with device="cuda" each rank on its own GPU, NCCL); under
+    torchrun the launched group is used instead. Any rank count writes the same bytes. Rank 0 writes
+    the output and returns the summary; other ranks of a torchrun group return None. A rank that
+    fails or hangs ends the run within `dist_timeout` seconds (default 600).
+
+    `device_map="auto"` places the decoder layers with accelerate's device map (GPUs, then host
+    memory, then disk, within `max_memory`: {0: "70GiB", "cpu": "200GiB"} or "0=70GiB,cpu=200GiB");
+    each layer is calibrated on the GPU that holds it, and layers left on disk are streamed."""
+    args = dict(locals())
     from quantkit.models import get_adapter
     from quantkit.plan import resolve_plan
     from quantkit.sources import load_source_model, parse_dtype, source_dtype
     from quantkit.streaming import bounded_heap
 
     t0 = time.perf_counter()
+    comm = _join_run(args)
+    if comm is _SPAWNED:
+        from quantkit.launch import run_local_ranks
+
+        return run_local_ranks(int(nproc), quantize, args)
+    lead = comm is None or comm.rank == 0
     plan = resolve_plan(method, recipe_file=recipe, options=options, bits=bits, group_size=group_size, sym=sym,
                         ignore=ignore, format=format, gguf_type=gguf_type,
                         calibration={"dataset": dataset, "num_samples": num_samples, "seq_len": seq_len, "seed": seed,
                                      "chat_template": chat_template, "batch_size": batch_size,
                                      "moe_calibration": moe_calibration, "moe_min_tokens": moe_min_tokens})
+    _check_share(plan, comm)
     if output is not None:
-        _check_output(Path(output), overwrite, resume)
+        _on_rank0(comm, lambda: _check_output(Path(output), overwrite, resume))
     # held in its storage dtype (bf16 halves the resident model); each decoder layer is cast to fp32
     # only while it is calibrated (exact), and capture_layer_inputs runs the embeddings in fp32
+    if device_map is not None and comm is not None:
+        raise QuantkitError("--device-map and data-parallel ranks do not combine yet: each rank calibrates on one "
+                            "device; drop one of them")
     hf_model, tokenizer, base_name, layer_source = load_source_model(
-        model, dtype=None, trust_remote_code=trust_remote_code, streaming=streaming)
+        model, dtype=None, trust_remote_code=trust_remote_code, streaming=streaming, device_map=device_map,
+        max_memory=_max_memory(max_memory))
     save_dtype = parse_dtype(dtype) or source_dtype(hf_model.config)
     adapter = get_adapter(hf_model)
-    experts, schemes = _expert_policy(plan, adapter, hf_model, layer_source), _linear_schemes(plan, hf_model, adapter)
+    experts = _expert_policy(plan, adapter, hf_model, layer_source, comm)
+    schemes = _linear_schemes(plan, hf_model, adapter)
     serving = vllm_moe_serving(plan, adapter, hf_model, schemes) if experts is not None else None
     if output is None:
         output = _default_output(base_name, plan, schemes)
-        _check_output(output, overwrite, resume)
+        _on_rank0(comm, lambda: _check_output(output, overwrite, resume))
     output = Path(output)
-    input_ids, cal_batch = _calibration_set(plan, hf_model, tokenizer)
-    store = _progress_store(output, model, plan, save_dtype, cal_batch, input_ids, resume)
-    job = dict(device=torch.device(device or "cpu"), batch_size=cal_batch or 1, progress=progress, store=store,
-               layer_source=layer_source, experts=experts, stats={})
+    input_ids, cal_batch = _calibration_set(plan, hf_model, tokenizer, comm)
+    store = _progress_store(output, model, plan, save_dtype, cal_batch, input_ids, resume, comm)
+    job = dict(device=_compute_device(device, comm), batch_size=cal_batch or 1, progress=progress and lead,
+               store=store, layer_source=layer_source, experts=experts, stats={}, comm=comm)
     if serving is not None:
         job["serving"] = serving
     with bounded_heap() if layer_source is not None else contextlib.nullcontext():  # scoped to this run
         moe = _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job, output, tokenizer,
                                    base_name, save_dtype, max_shard_size, overwrite)
+    if comm is not None:
+        from quantkit.pipeline.distributed import leave_group
+
+        leave_group()
+    if not lead:
+        return None
     metrics = None
     if eval_after:
         del hf_model
         metrics = _record_quality(output, model, plan, device)
-    return {**_summary(output, plan, schemes, layer_source, cal_batch, t0, metrics), **({"moe": moe} if moe else {})}
+    return {**_summary(output, plan, schemes, layer_source, cal_batch, t0, metrics), **({"moe": moe} if moe else {}),
+            **({"ranks": comm.world, "collective_bytes": dict(comm.traffic)} if comm is not None else {}),
+            **({"placement": layer_source.placement()} if device_map is not None else {})}
 
 
-def _expert_policy(plan, adapter, hf_model, layer_source):
+def _expert_policy(plan, adapter, hf_model, layer_source, comm=None):
     """The MoE calibration policy, None for a dense model (where MoE settings are refused)."""
     from quantkit.pipeline.experts import ExpertPolicy
 
@@ -118,6 +153,9 @@ def _expert_policy(plan, adapter, hf_model, layer_source):
             raise QuantkitError(f"--moe-calibration/--moe-min-tokens apply to Mixture-of-Experts models; "
                                 f"{hf_model.config.model_type} has no experts: drop them")
         return None
+    if comm is not None:
+        raise QuantkitError("data-parallel calibration of Mixture-of-Experts models is not supported yet (each "
+                            "expert's routed tokens would need their own reduction); drop --nproc / torchrun")
     if layer_source is not None:
         raise QuantkitError("streaming Mixture-of-Experts models is not supported yet; pass --no-streaming "
                             "(the model is then held in memory)")
@@ -171,6 +209,56 @@ def moe_report(adapter, prefix: str, policy, stats: dict[int, dict], plan, servi
     return report
 
 
+def _max_memory(value) -> Optional[dict]:
+    from quantkit.placement import parse_max_memory
+
+    return parse_max_memory(value) if isinstance(value, str) else value
+
+
+_SPAWNED = object()  # _join_run's answer when this call must start the ranks itself (--nproc)
+
+
+def _join_run(args: dict):
+    """This call's place in a data-parallel run: None (one process), _SPAWNED (start `nproc` local
+    ranks), or the communicator of the group a launcher (torchrun, --nproc) started."""
+    from quantkit.pipeline.distributed import DEFAULT_TIMEOUT_S, check_world, join_group, launched_world, rank_device
+
+    nproc, world = args["nproc"], launched_world()
+    if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
+        raise QuantkitError(f"--nproc must be a positive integer, got {nproc!r}")
+    if world == 1:
+        if nproc is None or nproc == 1:
+            return None
+        check_world(nproc)
+        return _SPAWNED
+    if nproc is not None and nproc != world:
+        raise QuantkitError(f"--nproc {nproc} inside a launched group of {world} ranks; drop --nproc under torchrun")
+    timeout = float(args["dist_timeout"] or DEFAULT_TIMEOUT_S)
+    return join_group(rank_device(args["device"]), timeout)
+
+
+def _on_rank0(comm, check) -> None:
+    """A check of the output folder made once (rank 0) and obeyed by every rank."""
+    if comm is None:
+        check()
+    else:
+        comm.from_rank0(lambda: (check(), b"")[1])
+
+
+def _check_share(plan, comm) -> None:
+    if comm is not None and plan.calibration is not None and plan.calibration.num_samples < comm.world:
+        raise QuantkitError(f"--num-samples {plan.calibration.num_samples} leaves a rank without calibration samples; "
+                            f"use at least {comm.world} (one per rank)")
+
+
+def _compute_device(device: Optional[str], comm) -> torch.device:
+    if comm is None:
+        return torch.device(device or "cpu")
+    from quantkit.pipeline.distributed import rank_device
+
+    return rank_device(device)
+
+
 def _check_output(output: Path, overwrite: bool, resume: bool) -> None:
     from quantkit.checkpoint import check_output_dir, staging_dir
     from quantkit.progress import ProgressStore
@@ -211,29 +299,46 @@ def _default_output(base_name: str, plan, schemes: dict) -> Path:
     return Path(f"{Path(base_name).name.lower()}-{plan.recipe.name.replace('+', '-')}-{tag}")
 
 
-def _calibration_set(plan, hf_model, tokenizer):
-    """The calibration token ids [num_samples, seq_len] and sequences per forward (None, None without data)."""
+def _calibration_set(plan, hf_model, tokenizer, comm=None):
+    """The calibration token ids [num_samples, seq_len] and sequences per forward (None, None without
+    data). In a data-parallel run rank 0 draws them and every rank receives the same ids."""
     from quantkit import data
     from quantkit.pipeline import calibration_batch_size
 
     c = plan.calibration
     if c is None:
         return None, None
-    ids = data.calibration_batches(c.dataset, tokenizer, num_samples=c.num_samples, seq_len=c.seq_len, seed=c.seed,
-                                   chat_template=c.chat_template)
+    draw = lambda: data.calibration_batches(c.dataset, tokenizer, num_samples=c.num_samples,  # noqa: E731
+                                            seq_len=c.seq_len, seed=c.seed, chat_template=c.chat_template)
+    if comm is None:
+        ids = draw()
+    else:
+        from safetensors.torch import load, save
+
+        ids = load(comm.from_rank0(lambda: save({"ids": draw().contiguous()})))["ids"]
     batch = c.batch_size or calibration_batch_size(hf_model.config, plan.recipe, c.num_samples, c.seq_len)
     return ids, batch
 
 
-def _progress_store(output: Path, model: str, plan, save_dtype, batch_size, input_ids, resume: bool):
+def _progress_store(output: Path, model: str, plan, save_dtype, batch_size, input_ids, resume: bool, comm=None):
     from quantkit.checkpoint import staging_dir
     from quantkit.progress import ProgressStore, run_fingerprint
 
-    store = ProgressStore(staging_dir(output))
-    store.start(run_fingerprint(model=model, scheme=plan.scheme, format=f"gguf:{plan.gguf_type}" if plan.gguf_type else plan.format, method=plan.method_info(),
-                                dtype=save_dtype, batch_size=batch_size, version=__version__,
-                                calibration_digest=_digest(input_ids)), resume=resume)
-    return store
+    def start() -> ProgressStore:
+        store = ProgressStore(staging_dir(output))
+        store.start(run_fingerprint(model=model, scheme=plan.scheme, method=plan.method_info(), dtype=save_dtype,
+                                    format=f"gguf:{plan.gguf_type}" if plan.gguf_type else plan.format,
+                                    batch_size=batch_size, version=__version__, calibration_digest=_digest(input_ids)),
+                    resume=resume)
+        return store
+
+    if comm is None:
+        return start()
+    from quantkit.pipeline.distributed import ReplicatedStore
+
+    box = {}
+    comm.from_rank0(lambda: (box.setdefault("store", start()), b"")[1])
+    return ReplicatedStore(box.get("store"), comm, input_ids.shape[0] if input_ids is not None else comm.world)
 
 
 def _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job: dict, output: Path, tokenizer,
@@ -242,24 +347,29 @@ def _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job: dict,
     from quantkit.checkpoint import write_checkpoint
     from quantkit.pipeline import quantize_model
 
-    store, serving = job["store"], job.pop("serving", None)
+    from quantkit.pipeline.distributed import staging_store
+
+    serving = job.pop("serving", None)
+    disk = staging_store(job["store"])  # the staging folder itself: None on the ranks other than 0
     try:
         quantize_model(hf_model, adapter, plan.recipe, schemes, input_ids, release_layers=True, **job)
+        if disk is None:  # a rank other than 0: rank 0 writes
+            return None
         ignore_names = sorted({n for n in adapter.linear_shapes(hf_model) if n not in schemes}
                               | set(adapter.full_precision_modules(hf_model)))
         moe = (moe_report(adapter, adapter.layers_prefix(hf_model), job["experts"], job["stats"], plan, serving)
                if job["experts"] is not None else None)
         if plan.gguf_type is not None:
-            _write_gguf(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), plan.gguf_type,
+            _write_gguf(output, hf_model, tokenizer, disk, adapter.layers_prefix(hf_model), plan.gguf_type,
                         plan.method_info(), base_name, overwrite)
         else:
-            write_checkpoint(output, hf_model, tokenizer, store, adapter.layers_prefix(hf_model), plan.format,
+            write_checkpoint(output, hf_model, tokenizer, disk, adapter.layers_prefix(hf_model), plan.format,
                              plan.method_info(), plan.recipe.format_extra(), base_name, save_dtype, ignore_names,
                              max_shard_size=max_shard_size, overwrite=overwrite, rename=adapter.checkpoint_name,
                              moe=moe)
     except QuantkitError:
-        if not store.done_layers():
-            shutil.rmtree(store.folder, ignore_errors=True)  # nothing worth resuming: leave no trace
+        if disk is not None and not disk.done_layers():
+            shutil.rmtree(disk.folder, ignore_errors=True)  # nothing worth resuming: leave no trace
         raise
     return moe
 

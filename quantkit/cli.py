@@ -81,10 +81,19 @@ def cli():
                    "token (all; the block's output stays the routed one).")
 @click.option("--moe-min-tokens", type=int, default=None,
               help="MoE models, routed: an expert with fewer calibration tokens is quantized with RTN (default 8).")
+@click.option("--nproc", type=int, default=None,
+              help="Calibrate data-parallel on N local processes (2, 4 or 8; gloo on CPU, one GPU each with --device cuda); "
+                   "the same bytes as one process. Under torchrun the launched group is used.")
+@click.option("--dist-timeout", type=float, default=None,
+              help="Seconds a rank waits for the others before the data-parallel run stops (default 600).")
+@click.option("--device-map", default=None, help="auto: place the decoder layers with accelerate's device map (GPUs, "
+              "host memory, then disk, streamed); each layer is calibrated on the GPU that holds it.")
+@click.option("--max-memory", default=None, help="With --device-map: budget per device, e.g. 0=70GiB,1=70GiB,cpu=200GiB.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line of stdout.")
 def quantize(model, method, bits, group_size, sym, format_, gguf_type, recipe, dataset, num_samples, seq_len, seed, chat_template,
              ignore, options, output, overwrite, dtype, device, trust_remote_code, max_shard_size, batch_size, eval_after,
-             resume, streaming, offload_hessians, desc_act, static_groups, mse, moe_calibration, moe_min_tokens, as_json):
+             resume, streaming, offload_hessians, desc_act, static_groups, mse, moe_calibration, moe_min_tokens, nproc,
+             dist_timeout, device_map, max_memory, as_json):
     """Quantize a model and write a packed checkpoint."""
     from quantkit import api
 
@@ -97,8 +106,11 @@ def quantize(model, method, bits, group_size, sym, format_, gguf_type, recipe, d
                                                                                mse=mse), output=output,
         overwrite=overwrite, dtype=dtype, device=device, trust_remote_code=trust_remote_code, max_shard_size=max_shard_size,
         batch_size=batch_size, eval_after=eval_after, progress=not as_json, resume=resume, streaming=streaming,
-        gguf_type=gguf_type, moe_calibration=moe_calibration, moe_min_tokens=moe_min_tokens,
+        gguf_type=gguf_type, moe_calibration=moe_calibration, moe_min_tokens=moe_min_tokens, nproc=nproc,
+        dist_timeout=dist_timeout, device_map=device_map, max_memory=max_memory,
     )
+    if result is None:  # a rank other than 0 of a torchrun group: rank 0 reports
+        return
     rss = result["peak_rss_mb"]
     _emit(result, as_json, f"wrote {result['output']} ({result['method']}, {result['bits']}-bit, group {result['group_size']}, "
                            f"{result['format']}) in {result['seconds']:.1f} s, "
@@ -309,7 +321,7 @@ def main(argv=None) -> int:
         cli.main(args=argv, standalone_mode=False, prog_name="quantkit")
     except QuantkitError as exc:
         click.echo(f"error: {exc}", err=True)
-        return _exit(2)
+        return _exit(getattr(exc, "exit_code", 2))
     except click.exceptions.Abort:
         click.echo("error: interrupted", err=True)
         return _exit(130)

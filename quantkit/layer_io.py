@@ -41,16 +41,23 @@ def slice_batch(obj, rows: int, batch: int, seq: int):
     """
     if rows >= batch:
         return obj
+    return slice_rows(obj, 0, rows, batch, seq)
+
+
+def slice_rows(obj, start: int, stop: int, batch: int, seq: int):
+    """Sequences ``start:stop`` of a batch of ``batch`` x ``seq`` tokens in nested args (as `slice_batch`)."""
+    if start == 0 and stop >= batch:
+        return obj
     if isinstance(obj, torch.Tensor):
         if obj.dim() >= 2 and obj.shape[0] == batch:
-            return obj[:rows]
+            return obj[start:stop]
         if obj.dim() >= 2 and obj.shape[0] == batch * seq and seq > 1:
-            return obj[: rows * seq]
+            return obj[start * seq: stop * seq]
         return obj
     if isinstance(obj, tuple):
-        return tuple(slice_batch(o, rows, batch, seq) for o in obj)
+        return tuple(slice_rows(o, start, stop, batch, seq) for o in obj)
     if isinstance(obj, list):
-        return [slice_batch(o, rows, batch, seq) for o in obj]
+        return [slice_rows(o, start, stop, batch, seq) for o in obj]
     if isinstance(obj, dict):
-        return {k: slice_batch(v, rows, batch, seq) for k, v in obj.items()}
+        return {k: slice_rows(v, start, stop, batch, seq) for k, v in obj.items()}
     return obj

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -116,48 +117,89 @@ class ProgressStore:
                 old.unlink(missing_ok=True)
 
     def load_reference(self, index: int) -> Optional[list[torch.Tensor]]:
-        from safetensors.torch import load_file
-
         path = self._reference_path(index)
         if not path.is_file():
             return None
         try:
-            tensors = load_file(str(path))
+            return reference_from_bytes(path.read_bytes())
         except Exception as exc:
             raise QuantkitError(f"--resume: reference record {path} is unreadable ({type(exc).__name__}); delete the "
                                 "staging folder and start over") from None
-        return [tensors[k] for k in sorted(tensors)]
 
     def load_layer(self, index: int) -> LayerRecord:
         from safetensors import safe_open
 
-        quantized: dict[str, dict] = {}
-        other = {}
         path = self._path(index)
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = json.loads(f.metadata()["quantized"])
                 stats = json.loads(f.metadata().get("stats") or "{}")
-                for key in f.keys():
-                    kind, rest = key.split("::", 1)
-                    if kind == "o":
-                        other[rest] = f.get_tensor(key)
-                    else:
-                        name, field = rest.rsplit("::", 1)
-                        quantized.setdefault(name, {})[field] = f.get_tensor(key)
+                tensors = {key: f.get_tensor(key) for key in f.keys()}
         except Exception as exc:  # e.g. a record cut short by a power loss
             raise QuantkitError(f"--resume: progress record {path} is unreadable ({type(exc).__name__}); delete it "
                                 "and resume again (that layer is then redone)") from None
-        qws = {}
-        for name, fields in quantized.items():
-            info = dict(meta[name])
-            if "input_scale" in fields:
-                info["input_quant"] = {**info["input_quant"], "scale": fields.pop("input_scale")}
-            if "two_level_super" in info:
-                parts = {f: fields.pop(f"two_level_{f}", None) for f in _TWO_LEVEL_FIELDS}
-                info["two_level"] = TwoLevelScales(super_size=info.pop("two_level_super"), **parts)
-            qws[name] = QuantizedWeight(**fields, **info)
-        return LayerRecord(index=index, quantized=qws, other=other, stats=stats)
+        return _record(index, tensors, meta, stats)
+
+    def layer_bytes(self, index: int) -> bytes:
+        """The saved record as it is on disk (data-parallel ranks receive it from rank 0 so)."""
+        path = self._path(index)
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise QuantkitError(f"--resume: progress record {path} is unreadable ({type(exc).__name__}); delete it "
+                                "and resume again (that layer is then redone)") from None
+
+    def reference_bytes(self, index: int) -> Optional[bytes]:
+        path = self._reference_path(index)
+        return path.read_bytes() if path.is_file() else None
+
+
+def record_from_bytes(index: int, data: bytes, where="the progress record") -> LayerRecord:
+    """A `LayerRecord` from the bytes `save_layer` wrote (what data-parallel ranks receive from rank 0)."""
+    from safetensors.torch import load
+
+    try:
+        tensors = load(data)
+        metadata = _safetensors_metadata(data)
+        meta, stats = json.loads(metadata["quantized"]), json.loads(metadata.get("stats") or "{}")
+    except Exception as exc:  # e.g. a record cut short by a power loss
+        raise QuantkitError(f"--resume: progress record {where} is unreadable ({type(exc).__name__}); delete it "
+                            "and resume again (that layer is then redone)") from None
+    return _record(index, tensors, meta, stats)
+
+
+def _record(index: int, tensors: dict[str, torch.Tensor], meta: dict, stats: dict) -> LayerRecord:
+    quantized: dict[str, dict] = {}
+    other = {}
+    for key, tensor in tensors.items():
+        kind, rest = key.split("::", 1)
+        if kind == "o":
+            other[rest] = tensor
+        else:
+            name, field_name = rest.rsplit("::", 1)
+            quantized.setdefault(name, {})[field_name] = tensor
+    qws = {}
+    for name, fields in quantized.items():
+        info = dict(meta[name])
+        if "input_scale" in fields:
+            info["input_quant"] = {**info["input_quant"], "scale": fields.pop("input_scale")}
+        if "two_level_super" in info:
+            parts = {f: fields.pop(f"two_level_{f}", None) for f in _TWO_LEVEL_FIELDS}
+            info["two_level"] = TwoLevelScales(super_size=info.pop("two_level_super"), **parts)
+        qws[name] = QuantizedWeight(**fields, **info)
+    return LayerRecord(index=index, quantized=qws, other=other, stats=stats)
+
+
+def reference_from_bytes(data: bytes) -> list[torch.Tensor]:
+    from safetensors.torch import load
+
+    tensors = load(data)
+    return [tensors[k] for k in sorted(tensors)]
+
+
+def _safetensors_metadata(data: bytes) -> dict:
+    (size,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + size]).get("__metadata__", {})
 
 
 def run_fingerprint(**settings: Any) -> dict[str, Any]:

@@ -52,12 +52,14 @@ def source_dtype(config) -> torch.dtype:
 
 
 def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, trust_remote_code: bool = False,
-                      streaming: Optional[bool] = False):
+                      streaming: Optional[bool] = False, device_map: Optional[str] = None, max_memory=None):
     """Load (model, tokenizer, name_for_card, layer_source) in `dtype` (None: as stored) on CPU; refuses quantized folders.
 
     `layer_source` is None for a whole model in memory; with streaming (True, or None = decide from
     the model's size against available memory) the decoder layers stay on the meta device and the
-    returned LazyLayers reads each from disk when the driver gets to it."""
+    returned LazyLayers reads each from disk when the driver gets to it. With device_map="auto" each
+    decoder layer goes where accelerate's device map puts it (quantkit.placement; `max_memory` in
+    accelerate's form), the layers it leaves on disk streamed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(model)
@@ -82,6 +84,9 @@ def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, 
             raise QuantkitError(f"{path} is already quantized ({method}); quantize a full-precision model")
     if streaming and not p.is_dir():
         raise QuantkitError(f"streaming needs a local safetensors model folder, not {path}; drop --streaming")
+    if device_map is not None and (device_map != "auto" or not p.is_dir() or streaming is False):
+        raise QuantkitError("--device-map takes 'auto', with a local safetensors model folder (its layers placed on "
+                            f"disk are streamed, so not with --no-streaming); got {device_map!r} for {path}")
     layer_source = None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -89,7 +94,12 @@ def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, 
             from quantkit.streaming import should_stream
 
             streaming = should_stream(p, dtype or torch.float32)
-        if streaming:
+        if device_map is not None:
+            from quantkit.placement import load_placed_model
+
+            hf_model, layer_source = load_placed_model(p, dtype or stored_dtype(path, trust_remote_code), max_memory,
+                                                       trust_remote_code)
+        elif streaming:
             from quantkit.streaming import load_streaming_model
 
             hf_model, layer_source = load_streaming_model(p, dtype or torch.float32, trust_remote_code)

@@ -114,6 +114,13 @@ class LazyLayers:
             raise QuantkitError(f"the model folder is missing tensor {still_meta[0]}")
 
     def materialize(self, index: int) -> None:
+        self._read_layer(index, "cpu")
+
+    def compute_device(self, index: int, default: torch.device) -> torch.device:
+        """Where layer `index` is calibrated: the run's compute device (quantkit.placement differs)."""
+        return default
+
+    def _read_layer(self, index: int, device) -> None:
         from accelerate.utils import set_module_tensor_to_device
 
         layer_prefix = f"{self.prefix}.{index}."
@@ -124,7 +131,7 @@ class LazyLayers:
         if missing:
             raise QuantkitError(f"the model folder is missing tensor {missing[0]}")
         for key, value in tensors.items():
-            set_module_tensor_to_device(self.model, key, "cpu", value=value)
+            set_module_tensor_to_device(self.model, key, device, value=value)
 
     def release(self, index: int) -> None:
         from accelerate.utils import set_module_tensor_to_device

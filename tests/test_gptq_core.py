@@ -306,9 +306,14 @@ def test_duplicated_and_zero_columns_and_nan_rows_are_healed():
         acc.add_batch(x)
     H = acc.hessian()
     assert bool(torch.isfinite(H).all())
-    with pytest.warns(RuntimeWarning, match="retrying with damp_percent"):
+    # undamped, the duplicated column leaves a pivot of ~0: whether its rounding lands above zero
+    # (factored as is) or not (a retry with more damping) depends on the summation order; either way
+    # the result must be healed
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         qw, stats = gptq_quantize(W, H, 4, 32, False, block_size=16, damp_percent=0.0)
-    assert stats["dead"] == 1 and stats["damp_percent"] > 0
+    retried = any("retrying with damp_percent" in str(w.message) for w in caught)
+    assert stats["dead"] == 1 and (stats["damp_percent"] > 0) == retried
     Wq = qw.dequantize()
     assert bool(torch.isfinite(Wq).all()) and bool((Wq[:, 9] == 0).all())
     good = x[torch.isfinite(x).all(1)]
@@ -459,6 +464,7 @@ def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type, at
     run fused (`fused_rms_norm`) and must change nothing either."""
     import copy
     import re
+    from collections import Counter
 
     from quantkit.api import linear_shapes
     from quantkit.pipeline import chunked, quantize_model
@@ -519,7 +525,11 @@ def test_one_pass_driver_gives_the_staged_drivers_results_exactly(model_type, at
     # norms in row chunks: the RMSNorms (not OPT's LayerNorm) run fused past the first (checked) row
     assert bool(fused_rows) == (attention_chunks and model_type != "opt"), fused_rows
     relative = sorted(re.sub(r"^.*layers\.\d+\.", "", n) for n in schemes)
-    assert sorted(observed) == relative, "each linear observed exactly once: a single pass"
+    # a single pass: each linear observed once, except that the chunked MLP hands down's input over
+    # chunk by chunk, the chunks restarting at every leaf of the reduction tree (one sample each here)
+    layers = model.config.num_hidden_layers
+    expected = {n: (layers * ids.shape[0] if gated and n == "mlp.down_proj" else layers) for n in set(relative)}
+    assert dict(Counter(observed)) == expected, "each linear observed in a single pass"
     assert list(one_pass) == list(staged)
     for name in staged:
         assert torch.equal(one_pass[name].qweight, staged[name].qweight), name
@@ -558,9 +568,11 @@ def test_one_pass_driver_runs_a_gated_mlp_in_chunks_changing_only_rounding(monke
                                       progress=False)
     one_pass = quantize_model(one_pass_model, get_adapter(model), one_pass_q, schemes, ids, batch_size=8,
                                         progress=False)
-    # the structure probe's two forwards over layer 0 (all 8 sequences), then two layers, 256 tokens each
-    assert chunk_rows == ([24] * 10 + [16]) * 4, chunk_rows
-    assert observed.count("mlp.down_proj") == 2 * 11 and observed.count("mlp.gate_proj") == 2
+    # the structure probe's two forwards over layer 0 (all 8 sequences), then two layers, 256 tokens
+    # each, whose chunks restart at every leaf of the reduction tree (here one 32-token sequence each,
+    # in two equal chunks)
+    assert chunk_rows == ([24] * 10 + [16]) * 2 + [16, 16] * 8 * 2, chunk_rows
+    assert observed.count("mlp.down_proj") == 2 * 16 and observed.count("mlp.gate_proj") == 2
     torch.testing.assert_close(one_pass_q.down_hessian, staged_q.down_hessian, rtol=1e-5, atol=1e-7)
     for name in staged:
         qa, qb = one_pass[name], staged[name]

@@ -12,8 +12,9 @@ from quantkit.layer_io import StopForward, layer_output, to_device
 
 @torch.no_grad()
 def capture_layer_inputs(model, adapter, input_ids: torch.Tensor, batch_size: int, device, activation_device,
-                         compute_dtype: Optional[torch.dtype] = None) -> list:
-    """Run the model up to decoder layer 0 and record (hidden_states, kwargs) per batch.
+                         compute_dtype: Optional[torch.dtype] = None, batches=None) -> list:
+    """Run the model up to decoder layer 0 and record (hidden_states, kwargs) per batch: `batch_size`
+    sequences at a time, or the (start, stop) rows of `input_ids` in `batches`.
 
     With `compute_dtype`, the modules before layer 0 run with their parameters in it (the model may
     be held in its bf16/fp16 storage dtype): the hidden states, masks and rotary tables then come out
@@ -46,9 +47,9 @@ def capture_layer_inputs(model, adapter, input_ids: torch.Tensor, batch_size: in
         p.data = p.data.to(compute_dtype)
     layers[0] = Catcher(first)
     try:
-        for start in range(0, input_ids.shape[0], batch_size):
+        for start, stop in batches or [(s, s + batch_size) for s in range(0, input_ids.shape[0], batch_size)]:
             try:
-                model(input_ids=input_ids[start:start + batch_size].to(device), use_cache=False)
+                model(input_ids=input_ids[start:stop].to(device), use_cache=False)
             except StopForward:
                 pass
     finally:

@@ -102,8 +102,8 @@ def _fill_products(flat, products, gate, up, act, spec, state) -> None:
     """act(gate(x)) * up(x) chunk by chunk into `products`, each chunk handed to down's observers."""
     rows = max(MLP_CHUNK_MIN_ROWS, MLP_CHUNK_BYTES // (gate.out_features * flat.element_size()))
     gate_up = stacked_linear(gate, up)
-    for start in range(0, flat.shape[0], rows):  # .forward: the chunks bypass the pre-hooks
-        chunk, product = flat[start:start + rows], products[start:start + rows]
+    for start, stop in state.row_chunks(flat.shape[0], rows):  # .forward: the chunks bypass the pre-hooks
+        chunk, product = flat[start:stop], products[start:stop]
         if gate_up is not None:
             g, u = gate_up(chunk).split(gate.out_features, dim=-1)
             torch.mul(act_in_place(act, g), u, out=product)

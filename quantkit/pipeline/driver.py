@@ -29,6 +29,7 @@ from quantkit.progress import LayerRecord, ProgressStore
 from quantkit.qtensor import QuantizedWeight
 from quantkit.quantizers.base import LayerContext
 from quantkit.quantizers.recipe import Recipe
+from quantkit.reduction import Comm, LocalComm, SampleLayout
 from quantkit.scheme import LinearScheme
 
 
@@ -37,7 +38,8 @@ class LayerByLayer:
 
     def __init__(self, model, adapter, recipe: Recipe, schemes: dict[str, LinearScheme], input_ids, *, device,
                  activation_device, compute_dtype, batch_size: int, store: Optional[ProgressStore], layer_source,
-                 release_layers: bool, policy: MemoryPolicy, experts: Optional[ExpertPolicy] = None):
+                 release_layers: bool, policy: MemoryPolicy, experts: Optional[ExpertPolicy] = None,
+                 comm: Optional[Comm] = None):
         if release_layers and store is None:
             raise ValueError("release_layers needs a store: the results live only there")
         if recipe.needs_calibration and input_ids is None:
@@ -50,11 +52,16 @@ class LayerByLayer:
         self.layers = adapter.decoder_layers(model)
         self.prefix = adapter.layers_prefix(model)
         self.done = set(store.done_layers()) if store is not None else set()
+        # this process's share of the calibration set (all of it unless data-parallel), in batches
+        self.comm = comm or LocalComm()
+        self.samples = (SampleLayout.build(self.comm, input_ids.shape[0], input_ids.shape[1], batch_size)
+                        if recipe.needs_calibration else None)
         self.inputs = (capture_layer_inputs(model, adapter, input_ids, batch_size, device, activation_device,
-                                            compute_dtype) if recipe.needs_calibration else [])
+                                            compute_dtype, batches=self.samples.batches) if recipe.needs_calibration else [])
         # the unquantized model's hidden states beside the quantized ones, for steps that compare with them
         self.reference = [h.clone() for h, _ in self.inputs] if recipe.needs_reference_inputs else None
-        one_pass = len(self.inputs) == 1 and runs_in_one_pass(recipe)
+        # decided for the whole set, not this rank's share: every rank count runs the same strategy
+        one_pass = self.samples is not None and batch_size >= self.samples.n_samples and runs_in_one_pass(recipe)
         self.strategy = OnePassStrategy(policy) if one_pass else StagedStrategy()
         self.staged = StagedStrategy()
 
@@ -85,11 +92,15 @@ class LayerByLayer:
     def layer_prefix(self, i: int) -> str:
         return f"{self.prefix}.{i}."
 
+    def device_of(self, i: int) -> torch.device:
+        """Where layer i is calibrated: the compute device, or the GPU a device map put it on."""
+        return self.layer_source.compute_device(i, self.device) if self.layer_source is not None else self.device
+
     def load(self, i: int) -> dict:
-        """Layer i on the compute device in the compute dtype (read from disk first when streaming)."""
+        """Layer i on its compute device in the compute dtype (read from disk first when streaming)."""
         if self.layer_source is not None:
             self.layer_source.materialize(i)
-        return residency.to_compute(self.layers[i], self.device, self.compute_dtype)
+        return residency.to_compute(self.layers[i], self.device_of(i), self.compute_dtype)
 
     def calibrate(self, i: int, experts=None) -> dict[str, QuantizedWeight]:
         """Layer i's quantized results (computed, or restored from the store), its outputs passed on."""
@@ -100,30 +111,40 @@ class LayerByLayer:
             self.layer_stats[i] = record.stats
             self.advance(i, None)
             if self.reference is not None:
-                self.reference = self.store.load_reference(i) or self.reference
+                saved = self.store.load_reference(i)
+                self.reference = split_rows(join_rows(saved), self.reference) if saved else self.reference
             return record.quantized
         ctx = LayerContext(index=i, layer=layer, prefix=prefix, adapter=self.adapter, config=self.model.config,
                            schemes={n[len(prefix):]: s for n, s in self.schemes.items() if n.startswith(prefix)},
-                           inputs=self.inputs, run_layer=lambda: self.run_layer(i), experts=experts)
+                           inputs=self.inputs, run_layer=lambda: self.run_layer(i), experts=experts,
+                           samples=self.samples)
         self.recipe.begin_layer(ctx)
         if self.reference is not None:  # the layer as the unquantized model has it: transformed, not quantized
             ctx.reference_layer = copy.deepcopy(layer)
             ctx.reference_inputs = [(h, kw) for h, (_, kw) in zip(self.reference, self.inputs)]
         strategy = self.staged if strategy_needs_stages(layer, self.adapter) else self.strategy
-        layer_results, outputs = strategy.quantize_layer(ctx, self.recipe, self.device, self.compute_dtype,
+        layer_results, outputs = strategy.quantize_layer(ctx, self.recipe, self.device_of(i), self.compute_dtype,
                                                           observe=self.recipe.needs_observe)
         self.advance(i, outputs)
         if ctx.reference_layer is not None:
-            self.reference = run_layer(ctx.reference_layer, ctx.reference_inputs, self.device, self.compute_dtype,
+            self.reference = run_layer(ctx.reference_layer, ctx.reference_inputs, self.device_of(i), self.compute_dtype,
                                        self.activation_device)
             ctx.reference_layer = ctx.reference_inputs = None
         self.recipe.end_layer(ctx)
         if experts is not None:
             self.layer_stats[i] = {"experts": experts.stats(), "uncalibrated_method": self.recipe.uncalibrated_method}
+        self.check_replicas(i)
         return layer_results
 
+    def check_replicas(self, i: int) -> None:
+        """Every data-parallel rank must now hold the same layer i: what quantkit.reduction promises
+        for statistics reduced through it, checked (a custom step may keep its own)."""
+        if self.comm.world > 1 and not self.comm.agree(residency.digest(self.layers[i])):
+            raise QuantkitError(f"layer {i}: the data-parallel ranks hold different quantized layers: a step of recipe "
+                                f"{self.recipe.name!r} keeps statistics outside quantkit.reduction; run it in one process")
+
     def run_layer(self, i: int) -> list:
-        return run_layer(self.layers[i], self.inputs, self.device, self.compute_dtype, self.activation_device)
+        return run_layer(self.layers[i], self.inputs, self.device_of(i), self.compute_dtype, self.activation_device)
 
     @torch.no_grad()
     def advance(self, i: int, outputs: Optional[list]) -> None:
@@ -137,7 +158,7 @@ class LayerByLayer:
         """Saved before the layer returns to its storage dtype (resume restores exactly this)."""
         if self.store is not None and i not in self.done:
             if self.reference is not None:  # before the record: a saved layer always has its reference
-                self.store.save_reference(i, self.reference)
+                self.store.save_reference(i, [join_rows(self.reference)])
             prefix = self.layer_prefix(i)
             self.store.save_layer(LayerRecord(index=i, quantized=layer_results,
                                               other=residency.other_tensors(self.layers[i], prefix, layer_results),
@@ -155,12 +176,22 @@ class LayerByLayer:
             self.policy.trim_heap()  # the layer's freed temporaries and replaced weights go back to the OS
 
 
+def join_rows(batches: list) -> torch.Tensor:
+    """A list of per-batch hidden states as one tensor of this process's samples, in order."""
+    return batches[0] if len(batches) == 1 else torch.cat(batches)
+
+
+def split_rows(whole: torch.Tensor, like: list) -> list:
+    """`whole` (this process's samples, in order) cut into batches shaped like `like`'s."""
+    return list(whole.split([t.shape[0] for t in like]))
+
+
 def quantize_model(model, adapter, recipe, schemes: dict[str, LinearScheme], input_ids: Optional[torch.Tensor],
                    device: torch.device | str = "cpu", activation_device: torch.device | str = "cpu",
                    compute_dtype: torch.dtype = torch.float32, batch_size: int = 8, progress: bool = True,
                    store: Optional[ProgressStore] = None, layer_source=None, release_layers: bool = False,
                    policy: Optional[MemoryPolicy] = None, experts: Optional[ExpertPolicy] = None,
-                   stats: Optional[dict] = None) -> dict[str, QuantizedWeight]:
+                   stats: Optional[dict] = None, comm: Optional[Comm] = None) -> dict[str, QuantizedWeight]:
     """Quantize every linear named in `schemes` (full names) with `recipe` (a Recipe, or one step:
     see `Recipe.of`) and return their QuantizedWeights.
 
@@ -173,11 +204,14 @@ def quantize_model(model, adapter, recipe, schemes: dict[str, LinearScheme], inp
     `quantize` does) each finished layer's tensors are dropped instead, leaving the model's layers on
     the meta device. MoE layers are calibrated per expert (`experts`: the few-token policy, see
     quantkit.pipeline.experts); pass a dict as `stats` to receive, per layer index, the tokens each
-    expert was calibrated on and which were quantized without calibration."""
+    expert was calibrated on and which were quantized without calibration. With a `comm` of several
+    data-parallel ranks (every rank passes the whole `input_ids`), each rank calibrates its share of
+    the samples and the steps' statistics are reduced across the ranks (quantkit.reduction): every
+    rank ends with the same results."""
     run = LayerByLayer(model, adapter, Recipe.of(recipe), schemes, input_ids, device=device,
                        activation_device=activation_device, compute_dtype=compute_dtype, batch_size=batch_size,
                        store=store, layer_source=layer_source, release_layers=release_layers,
-                       policy=policy or memory_policy(), experts=experts)
+                       policy=policy or memory_policy(), experts=experts, comm=comm)
     results = run.run(progress)
     if stats is not None:
         stats.update(run.layer_stats)
@@ -192,13 +226,14 @@ def transform_model(model, transform, input_ids: torch.Tensor, batch_size: int =
     from quantkit.models import get_adapter
 
     adapter = get_adapter(model)
-    inputs = capture_layer_inputs(model, adapter, input_ids, batch_size, "cpu", "cpu")
+    samples = SampleLayout.local(input_ids.shape[0], input_ids.shape[1], batch_size)
+    inputs = capture_layer_inputs(model, adapter, input_ids, batch_size, "cpu", "cpu", batches=samples.batches)
     prefix = adapter.layers_prefix(model)
     for i, layer in enumerate(adapter.decoder_layers(model)):
         with experts_unfused(layer, adapter, ExpertPolicy(), calibrated=True) as experts:
             schemes = {n: transform_scheme(transform) for n in adapter.linear_names(layer)}
             ctx = LayerContext(index=i, layer=layer, prefix=f"{prefix}.{i}.", adapter=adapter, config=model.config,
-                               schemes=schemes, inputs=inputs, experts=experts,
+                               schemes=schemes, inputs=inputs, experts=experts, samples=samples,
                                run_layer=lambda layer=layer: run_layer(layer, inputs, "cpu", torch.float32, "cpu"))
             transform.begin_layer(ctx)
             inputs[:] = [(out, kw) for out, (_, kw) in zip(ctx.run_layer(), inputs)]

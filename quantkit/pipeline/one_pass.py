@@ -73,6 +73,18 @@ class OnePassLayer:
         if x is not None and x.untyped_storage().data_ptr() != keep.untyped_storage().data_ptr():
             x.untyped_storage().resize_(0)
 
+    def row_chunks(self, n_rows: int, rows: int) -> list[tuple[int, int]]:
+        """The layer input's rows in chunks of at most `rows`: restarting at every leaf of the
+        calibration set when the recipe sums over them (quantkit.reduction), so each chunk's rows
+        are the same whatever share of the set this process holds."""
+        samples = self.ctx.samples if self.recipe is not None else None
+        if samples is None:
+            return [(s, min(s + rows, n_rows)) for s in range(0, n_rows, rows)]
+        chunks = samples.row_chunks(rows)
+        if not chunks or chunks[-1][1] != n_rows:
+            self.fail(f"its input has {n_rows} rows where the calibration set gives {chunks[-1][1] if chunks else 0}")
+        return chunks
+
     def fail(self, problem: str):
         raise QuantkitError(f"layer {self.ctx.index}: {problem}, so its linears cannot be quantized inside one forward; "
                             "pass a --batch-size below --num-samples to calibrate stage by stage")

@@ -84,3 +84,16 @@ def check_finite(name: str, qw: QuantizedWeight) -> None:
 
 def to_cpu(qw: QuantizedWeight) -> QuantizedWeight:
     return qw.to("cpu")
+
+
+@torch.no_grad()
+def digest(layer: nn.Module) -> torch.Tensor:
+    """An exact fingerprint of every tensor of the layer: per tensor, the integer sum of its bits (an
+    integer sum does not depend on its order), so replicas that differ in one bit differ here."""
+    sums = []
+    for _, t in sorted(layer.state_dict().items()):
+        bits = t.detach().contiguous().reshape(-1)
+        bits = bits.view(torch.uint8).to(torch.int64) if bits.element_size() == 1 or bits.numel() == 0 else bits.view(
+            {2: torch.int16, 4: torch.int32, 8: torch.int64}[bits.element_size()])
+        sums.append(bits.sum(dtype=torch.int64).cpu())
+    return torch.stack(sums) if sums else torch.zeros(1, dtype=torch.int64)

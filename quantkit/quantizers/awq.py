@@ -36,16 +36,17 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.models.folding import fold_scales
-from quantkit.layer_io import layer_output, slice_batch
+from quantkit.layer_io import batch_shapes, layer_output, slice_rows
 from quantkit.quantizers.base import LayerContext, Transform, register_step
 from quantkit.quantizers.grid import fake_quantize_grouped
+from quantkit.reduction import LocalComm, RowSum, SampleLayout
 from quantkit.scheme import LinearScheme
 
 # AutoAWQ's avoid_clipping list (["q_", "k_", "query", "key", "Wqkv"]) plus fused qkv_proj (Phi-3):
@@ -163,61 +164,95 @@ def _token_wise(group) -> bool:
 
 
 class _Capture:
-    """What one hooked calibration pass of a layer collects for the searches: per group the mean |x|
-    per input channel, the inputs of non-token-wise inspect modules (whole sequences), strided token
-    samples for token-wise inspect modules and for the clipped linears."""
+    """What one hooked calibration pass of a layer collects for the searches, over the whole
+    calibration set: per group the mean |x| per input channel (sums through
+    `quantkit.reduction.RowSum`), the inputs of non-token-wise inspect modules (whole sequences, cut
+    at the reduction leaves), strided token samples for token-wise inspect modules and for the
+    clipped linears (by global token position, gathered from every data-parallel rank). Routed
+    experts see the tokens routed to them: some batches or none, a varying number of rows."""
 
-    def __init__(self):
-        self.x_abs_sum: dict[str, torch.Tensor] = {}  # group input module -> sum |x| per channel
+    def __init__(self, layout: SampleLayout, options: dict, groups, clip_targets: list[str], routed: frozenset):
+        self.layout, self.routed = layout, routed
+        total = layout.n_samples * layout.rows_per_sample
+        self.budget = {"token": options["token_search_tokens"], "clip": options["clip_search_tokens"]}
+        self.stride = {role: 1 if not n else max(1, total // int(n)) for role, n in self.budget.items()}
+        self.search_n = layout.leading_sequences(options["max_search_tokens"])
+        self.mean_of = {g.input_module for g in groups}
+        self.token_wise = {g.inspect for g in groups if _token_wise(g)}
+        self.inspect_of = {g.inspect for g in groups} - self.token_wise
+        self.clip_set = set(clip_targets)
+        self.names = sorted(self.mean_of | self.inspect_of | self.token_wise | self.clip_set)
+        self.x_abs_sum: dict[str, RowSum] = {}  # group input module -> sum |x| per channel
         self.x_count: dict[str, int] = {}
-        self.inspect_inputs: dict[str, list] = {}  # inspect module -> [(args, kwargs)] of the sampled batches
+        self.inspect_inputs: dict[str, list] = {}  # inspect module -> [(args, kwargs)] of the sampled sequences
         self.token_x: dict[str, list] = {}  # token-wise inspect module -> [tokens, K] pieces (then one tensor)
         self.clip_x: dict[str, list] = {}  # clipped linear -> [tokens, K] pieces
         self.calls: dict[str, int] = {}
-        self.roles: dict[str, set] = {}
-        self.batch = -1
+        self.batch = -1  # the calibration batch the layer is running (a pre-hook on the layer counts them)
 
-    def begin(self, inputs: list, plan: list[int], options: dict, routed: frozenset) -> None:
-        self.plan, self.routed = plan, routed
-        self.shapes = [(h.shape[0], h.shape[1] if h.dim() > 2 else 1) for h, _ in inputs]
-        self.total = sum(b * t for b, t in self.shapes)
-        self.offsets = [sum(b * t for b, t in self.shapes[:i]) for i in range(len(self.shapes))]
-        self.budget = {"token": options["token_search_tokens"], "clip": options["clip_search_tokens"]}
-
-    def next_batch(self, module, args):
+    def next_batch(self, module, args) -> None:
         self.batch += 1
 
     def sample(self, name: str, x2: torch.Tensor, role: str) -> torch.Tensor:
-        """A strided sample of this batch's rows, on one stride over all batches (so it does not depend
-        on the batching); a routed expert's rows, which vary per batch, on a stride aiming at the budget."""
+        """A strided sample of this batch's rows, on one stride over the whole set (so it does not
+        depend on the batching or the rank count); a routed expert's rows, which vary per batch, on a
+        stride aiming at the budget."""
         n = self.budget[role]
         if name in self.routed:
-            return x2[::max(1, -(-x2.shape[0] * len(self.shapes) // n))] if n else x2
-        stride = 1 if not n else max(1, self.total // int(n))
-        return _strided_rows(x2, self.offsets[self.batch], stride)
+            return x2[::max(1, -(-x2.shape[0] * len(self.layout.batches) // n))] if n else x2
+        offset = self.layout.batches[self.batch][0] * self.layout.rows_per_sample  # global token position
+        return _strided_rows(x2, offset, self.stride[role])
 
-    def hook(self, name: str):
-        def capture(module, args, kwargs):
+    def hook(self, name: str, shapes: list):
+        def record(module, args, kwargs):
             i = self.batch
             if self.calls.get(name, 0) > i:
                 raise QuantkitError(f"awq: '{name}' ran more than once per calibration batch; unsupported layout")
             self.calls[name] = self.calls.get(name, 0) + 1
             x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
             x2 = x.detach().reshape(-1, x.shape[-1])
-            if name in self.roles["mean"]:
-                s = x2.float().abs().sum(0)
-                self.x_abs_sum[name] = s if name not in self.x_abs_sum else self.x_abs_sum[name] + s
-                self.x_count[name] = self.x_count.get(name, 0) + x2.shape[0]
-            if name in self.roles["inspect"] and self.plan[i] > 0:
-                b, t = self.shapes[i]
-                self.inspect_inputs.setdefault(name, []).append(
-                    (slice_batch(args, self.plan[i], b, t), slice_batch(kwargs, self.plan[i], b, t)))
-            if name in self.roles["token"]:
+            if name in self.mean_of:
+                self._add_abs(name, x2)
+            if name in self.inspect_of:
+                b, t = shapes[i]
+                self.inspect_inputs.setdefault(name, []).extend(
+                    (slice_rows(args, a, e, b, t), slice_rows(kwargs, a, e, b, t))
+                    for a, e in self.layout.leading_pieces(i, self.search_n))
+            if name in self.token_wise:
                 self.token_x.setdefault(name, []).append(self.sample(name, x2, "token").clone())
-            if name in self.roles["clip"]:
+            if name in self.clip_set:
                 self.clip_x.setdefault(name, []).append(self.sample(name, x2, "clip").float().clone())
 
-        return capture
+        return record
+
+    def _add_abs(self, name: str, x2: torch.Tensor) -> None:
+        # a routed expert's rows are not the dense rows the layout counts: a plain running sum (MoE
+        # runs in one process, see api._expert_policy)
+        total = self.x_abs_sum.setdefault(name, RowSum(None if name in self.routed else self.layout))
+        total.add(x2.shape[0], lambda rows, part: _abs_sum(x2[rows], part))
+        self.x_count[name] = self.x_count.get(name, 0) + x2.shape[0]
+
+    def finish(self, n_batches: int) -> None:
+        """Check every hook ran once per batch (a routed expert at most once); counts and samples
+        over every rank."""
+        for name in self.names:
+            calls = self.calls.get(name, 0)
+            if calls != n_batches and not (name in self.routed and calls < n_batches):
+                raise QuantkitError(f"awq: '{name}' ran {calls} times for {n_batches} calibration batches; "
+                                    "unsupported layout")
+        comm = self.layout.comm
+        names = sorted(self.x_count)
+        self.x_count = dict(zip(names, comm.sum_ints([self.x_count[n] for n in names])))
+        self.clip_x = {n: comm.gather_rows(torch.cat(v)) for n, v in sorted(self.clip_x.items())}
+        self.token_x = {n: comm.gather_rows(torch.cat(v)) for n, v in sorted(self.token_x.items())}
+
+    def x_mean(self, name: str) -> torch.Tensor:
+        return (self.x_abs_sum[name].total() / max(1, self.x_count[name])).float()
+
+
+def _abs_sum(x: torch.Tensor, partial: torch.Tensor | None) -> torch.Tensor:
+    s = x.float().abs().sum(0)
+    return s if partial is None else partial.add_(s)
 
 
 @register_step
@@ -294,54 +329,61 @@ class AWQTransform(Transform):
         log["seconds"] = time.perf_counter() - t0
 
     # -- internals -------------------------------------------------------------------------
-    def _plan(self, inputs: list) -> list[int]:
-        """Sequences of each calibration batch used by the scale-search loss (whole sequences, in order)."""
-        budget = self.options["max_search_tokens"]
-        plan = []
-        if not budget:
-            return [hidden.shape[0] for hidden, _ in inputs]
-        left = int(budget)
-        for hidden, _ in inputs:
-            b, t = hidden.shape[0], hidden.shape[1] if hidden.dim() > 2 else 1
-            rows = 0 if left <= 0 else min(b, max(1, math.ceil(left / t)))
-            plan.append(rows)
-            left -= rows * t
-        return plan
-
     @torch.no_grad()
     def _capture(self, ctx: LayerContext, groups, clip_targets) -> _Capture:
-        """One hooked pass over the calibration batches: what the searches need (see `_Capture`).
-        Routed experts run on the tokens routed to them, in some batches or none at all."""
-        cap = _Capture()
-        layer, routed = ctx.layer, ctx.adapter.routed_linears(ctx.layer)
-        cap.begin(ctx.inputs, self._plan(ctx.inputs), self.options, routed)
-        token_wise = {g.inspect for g in groups if _token_wise(g)}
-        cap.roles = {"mean": {g.input_module for g in groups}, "token": token_wise, "clip": set(clip_targets),
-                     "inspect": {g.inspect for g in groups} - token_wise}
-        names = sorted(set().union(*cap.roles.values()))
-        handles = [layer.register_forward_pre_hook(cap.next_batch)]
-        handles += [layer.get_submodule(n).register_forward_pre_hook(cap.hook(n), with_kwargs=True) for n in names]
+        shapes = batch_shapes(ctx.inputs)
+        layout = ctx.samples or SampleLayout.of_batches(shapes)
+        if len(layout.batches) != len(shapes):
+            raise QuantkitError(f"awq: {len(shapes)} calibration batches where the layout has {len(layout.batches)}")
+        cap = _Capture(layout, self.options, groups, clip_targets, ctx.adapter.routed_linears(ctx.layer))
+        handles = [ctx.layer.register_forward_pre_hook(cap.next_batch)]
+        handles += [ctx.layer.get_submodule(n).register_forward_pre_hook(cap.hook(n, shapes), with_kwargs=True)
+                    for n in cap.names]
         try:
             ctx.run_layer()
         finally:
             for h in handles:
                 h.remove()
-        for name in names:
-            calls = cap.calls.get(name, 0)
-            if calls != len(cap.shapes) and not (name in routed and calls < len(cap.shapes)):
-                raise QuantkitError(f"awq: '{name}' ran {calls} times for {len(cap.shapes)} calibration batches; "
-                                    "unsupported layout")
-        cap.clip_x = {n: torch.cat(v) for n, v in cap.clip_x.items()}
-        cap.token_x = {n: torch.cat(v) for n, v in cap.token_x.items()}
+        cap.finish(len(shapes))
         return cap
 
     def _run_inspect(self, module: nn.Module, batches: list) -> list[torch.Tensor]:
         return [layer_output(module(*args, **kwargs)) for args, kwargs in batches]
 
+    def _loss(self, group, inspect: nn.Module, originals: dict, cap: _Capture) -> Callable[[], float]:
+        """The search loss of the group as its linears now stand: the inspect block's output MSE
+        against full precision, over the whole calibration set's sample (every rank's part of it)."""
+        if group.linears == (group.inspect,):
+            x = cap.token_x[group.inspect].float()  # the gathered sample: the same on every rank
+            w0 = originals[group.inspect].float()
+            t, k = x.shape
+            # the linear's output MSE, mean((x dW^T)^2) with dW = W_q - W: the bias cancels, so it is
+            # a quadratic form in dW, run from the Gram matrix when that is the smaller product
+            gram = (x.t() @ x) / (t * w0.shape[0]) if t > k else None
+
+            def linear_loss() -> float:
+                dw = inspect.weight.float() - w0
+                if gram is None:
+                    return float((x @ dw.t()).pow(2).sum()) / (t * w0.shape[0])
+                return float(((dw @ gram) * dw).sum())
+
+            return linear_loss
+        if _token_wise(group):  # the gathered token sample as one sequence [1, T, H] (a MoE block reads 3-D input)
+            batches, comm = [((cap.token_x[group.inspect].unsqueeze(0),), {})], LocalComm()
+        else:  # this rank's whole sequences, cut at the reduction leaves: terms summed over the ranks in order
+            batches, comm = cap.inspect_inputs.get(group.inspect, []), cap.layout.comm
+        reference = self._run_inspect(inspect, batches)
+        numel, = comm.sum_ints([sum(r.numel() for r in reference)])
+
+        def block_loss() -> float:
+            out = self._run_inspect(inspect, batches)
+            return comm.ordered_sum([float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference)]) / numel
+
+        return block_loss
+
     @torch.no_grad()
     def _search_group(self, layer: nn.Module, group, cap: _Capture, schemes: dict[str, LinearScheme]) -> dict:
-        first = group.input_module
-        x_mean = (cap.x_abs_sum[first] / max(1, cap.x_count[first])).float()
+        x_mean = cap.x_mean(group.input_module)
         quantized = [n for n in group.linears if n in schemes]
         linears = {n: layer.get_submodule(n) for n in quantized}
         w_mean = None
@@ -349,29 +391,7 @@ class AWQTransform(Transform):
             w_mean = weight_mean([m.weight for m in linears.values()], [schemes[n].group_size for n in quantized])
         inspect = layer.get_submodule(group.inspect)
         originals = {n: m.weight.data.clone() for n, m in linears.items()}
-        if group.linears == (group.inspect,):
-            x = cap.token_x[group.inspect].float()
-            w0 = originals[group.inspect].float()
-            t, k = x.shape
-            # the linear's output MSE, mean((x dW^T)^2) with dW = W_q - W: the bias cancels, so it is
-            # a quadratic form in dW, run from the Gram matrix when that is the smaller product
-            gram = (x.t() @ x) / (t * w0.shape[0]) if t > k else None
-
-            def group_loss() -> float:
-                dw = inspect.weight.float() - w0
-                if gram is None:
-                    return float((x @ dw.t()).pow(2).sum()) / (t * w0.shape[0])
-                return float(((dw @ gram) * dw).sum())
-        else:
-            # token-wise blocks run on the sample as one sequence [1, T, H] (a MoE block reads a 3-D input)
-            batches = ([((cap.token_x[group.inspect].unsqueeze(0),), {})] if _token_wise(group)
-                       else cap.inspect_inputs[group.inspect])
-            reference = self._run_inspect(inspect, batches)
-            numel = sum(r.numel() for r in reference)
-
-            def group_loss() -> float:
-                out = self._run_inspect(inspect, batches)
-                return sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference)) / numel
+        group_loss = self._loss(group, inspect, originals, cap)
         n_grid = int(self.options["n_grid"])
         alphas = [i / n_grid for i in range(n_grid + bool(self.options["full_grid"]))]
         candidates = [(a, candidate_scales(x_mean, w_mean, a)) for a in alphas]

@@ -19,6 +19,7 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.qtensor import LinearSpec
 from quantkit.qtensor import QuantizedWeight
+from quantkit.reduction import SampleLayout
 from quantkit.scheme import LinearScheme
 
 _REGISTRY: dict[str, type["Step"]] = {}
@@ -42,6 +43,17 @@ class LayerContext:
     reference_inputs: Optional[list] = None
     # a MoE layer's experts while it is calibrated (quantkit.pipeline.experts.LayerExperts), else None
     experts: Any = None
+    # where `inputs` sit in the whole calibration set (data-parallel ranks hold a share of it): every
+    # sum, maximum or sample a step takes over the inputs goes through it (see quantkit.reduction)
+    samples: Optional[SampleLayout] = None
+
+    def row_layout(self, name: str) -> Optional[SampleLayout]:
+        """The layout a sum over linear `name`'s input rows follows: `samples`, except for a routed
+        expert, whose rows are the tokens routed to it, not the dense rows the layout counts (a plain
+        running sum then; MoE models are calibrated in one process, see api._expert_policy)."""
+        if self.experts is not None and name in self.adapter.routed_linears(self.layer):
+            return None
+        return self.samples
 
 
 class Step:

@@ -86,14 +86,17 @@ class GPTQQuantizer(Quantizer):
                 return
         acc = self._hessians.get(name)
         if acc is None:
-            acc = HessianAccumulator(module.in_features, device=x.device, offload=bool(self.options["offload_hessians"]))
+            acc = HessianAccumulator(module.in_features, device=x.device, offload=bool(self.options["offload_hessians"]),
+                                     layout=self._ctx.row_layout(name) if self._ctx is not None else None)
             self._hessians[name] = acc
         acc.add_batch(x)
         cross = None
         if self.needs_reference_inputs:
             if reference is None:
                 raise QuantkitError(f"GPTAQ needs the unquantized model's input of {name}; the pipeline gave none")
-            cross = self._crosses.setdefault(name, CrossAccumulator(module.in_features))
+            cross = self._crosses.get(name)
+            if cross is None:
+                cross = self._crosses[name] = CrossAccumulator(module.in_features, self._ctx.row_layout(name) if self._ctx else None)
             cross.add_batch(x, reference)
         self._last_input, self._last_acc, self._last_cross = x, acc, cross
 
@@ -105,6 +108,8 @@ class GPTQQuantizer(Quantizer):
         cross = self._crosses.pop(name, None)
         if acc is not None and acc is self._last_acc:  # its inputs are complete: let the tensor go
             self._last_input = self._last_acc = self._last_cross = None
+        if acc is not None:
+            acc.finish()  # counts over every rank, so every rank takes the same branch below
         if acc is not None and acc.n_samples == 0 and acc.n_dropped:
             # every calibration row reaching this linear held NaN/inf (one poisoned token spreads to the
             # whole sequence through attention): no Hessian to solve with, so round to nearest instead

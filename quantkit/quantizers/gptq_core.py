@@ -4,7 +4,7 @@ Pure functions on tensors; the calibration driver and the plugin wrapper live el
 The algorithm is the reference GPTQ (Frantar et al. 2022; IST-DASLab `gptq`, AutoGPTQ and
 GPTQModel `gptq.py`), with the grid conventions of `quantkit.quantizers.grid`:
 
-* H = 2/n * sum_x x x^T in fp32, kept as a running mean (`HessianAccumulator`); n counts rows
+* H = 2/n * sum_x x x^T in fp32, summed in a fixed order (`HessianAccumulator`); n counts rows
   (tokens), not sequences. GPTQ is invariant to the scale of H, so only `loss` differs from
   implementations that count sequences.
 * dead inputs (H[i,i] == 0) get H[i,i] = 1 and W[:, i] = 0; damp = damp_percent * mean(diag H)
@@ -35,6 +35,7 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.qtensor import QuantizedWeight
 from quantkit.quantizers.grid import find_qparams, max_code
+from quantkit.reduction import RowSum, SampleLayout
 
 __all__ = ["HessianAccumulator", "CrossAccumulator", "HessianError", "asymmetric_target", "gptq_quantize", "find_qparams"]
 
@@ -87,29 +88,28 @@ def mirror_gram_(H: torch.Tensor) -> torch.Tensor:
 
 
 class HessianAccumulator:
-    """Running mean H = 2/n * sum x x^T over all calibration rows seen so far, in fp32.
+    """H = 2/n * sum x x^T over all calibration rows seen so far, in fp32, summed as a `RowSum`.
 
-    Memory is one [K, K] fp32 matrix whatever the number of samples. `offload=True` keeps H on
-    the CPU between batches (x x^T is still computed on the device of x, then moved).
-    Rows of x containing NaN/inf are dropped with a warning and counted in `n_dropped`.
+    With a `layout` (the calibration pipeline's) the sum has the fixed shape of `quantkit.reduction`
+    and `hessian()` is taken over every data-parallel rank: the same bits at any rank count. Without
+    one it is a plain running sum that may be read between batches. Memory is one [K, K] fp32
+    matrix per level of the leaf tree still open (at most log2(LEAVES) + 1). `offload=True` keeps
+    the sums on the CPU (x x^T is still computed on the device of x, then moved). Rows of x
+    containing NaN/inf are dropped with a warning and counted in `n_dropped`.
     """
 
-    def __init__(self, in_features: int, device=None, offload: bool = False):
+    def __init__(self, in_features: int, device=None, offload: bool = False, layout: Optional[SampleLayout] = None):
         if in_features <= 0:
             raise ValueError(f"in_features must be positive, got {in_features}")
         self.in_features = int(in_features)
         self.offload = bool(offload)
         self.device = torch.device("cpu") if offload else (None if device is None else torch.device(device))
-        self.n_samples = 0
+        self.layout = layout
+        self.n_samples = 0  # rows kept (over every rank once `finish` ran)
         self.n_dropped = 0
+        self._sum = RowSum(layout)
         self._H: Optional[torch.Tensor] = None
-        self._mirrored = True
-
-    def _storage(self, x_device: torch.device) -> torch.Tensor:
-        if self._H is None:
-            dev = self.device if self.device is not None else x_device
-            self._H = torch.zeros(self.in_features, self.in_features, dtype=torch.float32, device=dev)
-        return self._H
+        self._finished = False
 
     @torch.no_grad()
     def add_batch(self, x: torch.Tensor) -> None:
@@ -120,6 +120,25 @@ class HessianAccumulator:
             x = x.float()
         if x.shape[0] == 0:
             return
+        self._H = None
+        self._sum.add(x.shape[0], lambda rows, partial: self._add_gram(x[rows], partial))
+
+    def _add_gram(self, x: torch.Tensor, partial: Optional[torch.Tensor]) -> torch.Tensor:
+        """partial + x^T x for one piece of a leaf (blocks on and above the diagonal only)."""
+        x = self._finite_rows(x).to(torch.float32)
+        if partial is None:
+            dev = self.device if self.device is not None else x.device
+            partial = torch.zeros(self.in_features, self.in_features, dtype=torch.float32, device=dev)
+        if x.shape[0] == 0:
+            return partial
+        if partial.device == x.device and not self.offload:
+            return add_gram_(partial, x, alpha=1.0, beta=1.0, mirror=False)
+        # offload (or the sum kept elsewhere): x^T x on x's device, one [K, K] transfer per piece
+        upd = torch.zeros(self.in_features, self.in_features, dtype=torch.float32, device=x.device)
+        add_gram_(upd, x, alpha=1.0, beta=0.0, mirror=False)
+        return partial.add_(upd.to(partial.device))
+
+    def _finite_rows(self, x: torch.Tensor) -> torch.Tensor:
         lo, hi = torch.aminmax(x)  # one read: NaN or inf anywhere shows in the min or the max
         if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
             finite = torch.isfinite(x).all(dim=1)
@@ -129,69 +148,67 @@ class HessianAccumulator:
                 f"HessianAccumulator: dropped {n_bad} of {x.shape[0]} calibration rows containing "
                 f"NaN/inf ({self.n_dropped} dropped so far)",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=4,
             )
             x = x[finite]
-        m = x.shape[0]
-        if m == 0:
-            return
-        H = self._storage(x.device)
-        n = self.n_samples
-        total = n + m
-        x = x.to(torch.float32)
-        if H.device == x.device and not self.offload:
-            add_gram_(H, x, alpha=2.0 / total, beta=n / total, mirror=False)
-        else:  # offload (or H kept elsewhere): x^T x on x's device, one [K, K] transfer per batch
-            upd = torch.zeros(self.in_features, self.in_features, dtype=torch.float32, device=x.device)
-            add_gram_(upd, x, alpha=2.0 / total, beta=0.0, mirror=False)
-            H.mul_(n / total).add_(upd.to(H.device))
-        self.n_samples = total
-        self._mirrored = False
+        self.n_samples += x.shape[0]
+        return x
+
+    def finish(self) -> "HessianAccumulator":
+        """Sum the counts over every rank (collectively, once): call before reading them to decide."""
+        if self.layout is not None and not self._finished:
+            self.n_samples, self.n_dropped = self.layout.comm.sum_ints([self.n_samples, self.n_dropped])
+            self._finished = True
+        return self
 
     def hessian(self) -> torch.Tensor:
-        """The accumulated fp32 [K, K] Hessian (the stored tensor itself, not a copy)."""
-        if self.n_samples == 0 or self._H is None:
+        """The accumulated fp32 [K, K] Hessian 2/n sum x^T x (a tensor of its own, kept until more rows arrive)."""
+        self.finish()
+        if self.n_samples == 0:
             raise HessianError(
                 "no calibration rows reached this layer (or all contained NaN/inf): "
                 "cannot build a GPTQ Hessian; use more/different calibration data or RTN for it"
             )
-        if not self._mirrored:  # add_batch keeps only the upper blocks valid (mirrored once, here)
-            mirror_gram_(self._H)
-            self._mirrored = True
+        if self._H is None:  # only the blocks on and above the diagonal were summed: mirrored once, here
+            self._H = mirror_gram_(self._sum.total().mul(2.0 / self.n_samples))
         return self._H
 
 
 class CrossAccumulator:
-    """Running mean D = 2/n * sum (x_ref - x)^T x over calibration rows: how the inputs a linear gets in
-    the quantized model (x) differ from those of the unquantized model (x_ref), weighted the way the
-    Hessian H = 2/n * sum x^T x is. GPTAQ's one extra statistic (see `asymmetric_target`)."""
+    """D = 2/n * sum (x_ref - x)^T x over calibration rows: how the inputs a linear gets in the
+    quantized model (x) differ from those of the unquantized model (x_ref), weighted the way the
+    Hessian H = 2/n * sum x^T x is. GPTAQ's one extra statistic (see `asymmetric_target`); summed
+    as a `RowSum`, like the Hessian."""
 
-    def __init__(self, in_features: int):
+    def __init__(self, in_features: int, layout: Optional[SampleLayout] = None):
         self.in_features = int(in_features)
+        self.layout = layout
         self.n_samples = 0
-        self._D: Optional[torch.Tensor] = None
+        self._sum = RowSum(layout)
 
     @torch.no_grad()
     def add_batch(self, x: torch.Tensor, reference: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, self.in_features).float()
-        delta = reference.detach().reshape(-1, self.in_features).float() - x
-        if delta.shape[0] != x.shape[0]:
-            raise ValueError(f"reference rows ({delta.shape[0]}) do not match the observed rows ({x.shape[0]})")
+        x = x.detach().reshape(-1, self.in_features)
+        reference = reference.detach().reshape(-1, self.in_features)
+        if reference.shape[0] != x.shape[0]:
+            raise ValueError(f"reference rows ({reference.shape[0]}) do not match the observed rows ({x.shape[0]})")
+        if x.shape[0]:
+            self._sum.add(x.shape[0], lambda rows, partial: self._add(x[rows].float(), reference[rows].float(), partial))
+
+    def _add(self, x: torch.Tensor, reference: torch.Tensor, partial: Optional[torch.Tensor]) -> torch.Tensor:
+        delta = reference - x
         keep = torch.isfinite(x).all(dim=1) & torch.isfinite(delta).all(dim=1)  # the Hessian drops these rows too
         x, delta = x[keep], delta[keep]
-        m = x.shape[0]
-        if m == 0:
-            return
-        total = self.n_samples + m
-        if self._D is None:
-            self._D = torch.zeros(self.in_features, self.in_features, dtype=torch.float32, device=x.device)
-        self._D.mul_(self.n_samples / total).addmm_(delta.t(), x, alpha=2.0 / total)
-        self.n_samples = total
+        if partial is None:
+            partial = torch.zeros(self.in_features, self.in_features, dtype=torch.float32, device=x.device)
+        self.n_samples += x.shape[0]
+        return partial.addmm_(delta.t(), x) if x.shape[0] else partial
 
     def cross(self) -> torch.Tensor:
-        if self._D is None:
+        n, = [self.n_samples] if self.layout is None else self.layout.comm.sum_ints([self.n_samples])
+        if n == 0:
             raise HessianError("no reference rows reached this layer; cannot build GPTAQ's cross term")
-        return self._D
+        return self._sum.total().mul(2.0 / n)
 
 
 @torch.no_grad()

@@ -39,12 +39,13 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.layer_io import StopForward, batch_shapes, layer_output, slice_batch, to_device
+from quantkit.layer_io import StopForward, batch_shapes, layer_output, slice_rows, to_device
 from quantkit.models.base import NORM
 from quantkit.models.folding import fold_scales
 from quantkit.qtensor import QuantizedWeight
 from quantkit.quantizers.base import LayerContext, Transform, register_step
 from quantkit.quantizers.grid import SCALE_DTYPE, fake_quantize_grouped
+from quantkit.reduction import SampleLayout
 from quantkit.scheme import LinearScheme
 
 W8 = LinearScheme(bits=8, group_size=-1, sym=True)
@@ -105,6 +106,7 @@ class SmoothQuantTransform(Transform):
         self.observes = o["activations"] == "static"
         self.needs_calibration = bool(o["smooth"]) or self.observes
         self._amax: dict[str, float] = {}  # linear -> max|x| of its (smoothed) input, static activations
+        self._layout: SampleLayout | None = None  # the layer's calibration samples (every rank's: see finalize)
         self.search_log: dict[int, list[dict[str, Any]]] = {}
 
     def planned_spec(self, spec):
@@ -129,6 +131,7 @@ class SmoothQuantTransform(Transform):
 
     # -- pipeline hooks ------------------------------------------------------------------
     def begin_layer(self, ctx: LayerContext) -> None:
+        self._layout = ctx.samples or SampleLayout.of_batches(batch_shapes(ctx.inputs))
         layer = ctx.layer
         groups = [g for g in ctx.adapter.input_groups(layer, ctx.config)
                   if g.kind == NORM and any(n in ctx.schemes for n in g.linears)]
@@ -162,10 +165,11 @@ class SmoothQuantTransform(Transform):
         if self.options["activations"] == "dynamic":
             qw.input_quant = {"strategy": "token", "dynamic": True}
         else:
-            if name not in self._amax:
+            amax = self._layout.comm.max_(torch.tensor([self._amax.pop(name, -1.0)], dtype=torch.float64))
+            if float(amax) < 0:
                 raise QuantkitError(f"smoothquant saw no calibration inputs for {name}; check the dataset")
             tiny = torch.finfo(SCALE_DTYPE).tiny
-            scale = torch.tensor([max(self._amax.pop(name) / 127.0, tiny)]).to(SCALE_DTYPE).float()
+            scale = torch.tensor([max(float(amax) / 127.0, tiny)]).to(SCALE_DTYPE).float()
             qw.input_quant = {"strategy": "tensor", "dynamic": False, "scale": scale}
         return qw
 
@@ -179,13 +183,8 @@ class SmoothQuantTransform(Transform):
         x_max: dict[str, torch.Tensor] = {}
         block_inputs: dict[str, list] = {}
         search = self.options["alpha"] == "auto"
-        budget = int(self.options["search_tokens"]) or math.inf
-        shapes = batch_shapes(ctx.inputs)
-        rows, left = [], budget
-        for b, t in shapes:  # whole sequences, in order, up to the token budget
-            r = 0 if left <= 0 else min(b, max(1, math.ceil(left / t)))
-            rows.append(r)
-            left -= r * t
+        shapes, layout = batch_shapes(ctx.inputs), self._layout
+        first_n = layout.leading_sequences(self.options["search_tokens"])
         calls: dict[str, int] = {}
 
         def amax_hook(prev):
@@ -199,10 +198,11 @@ class SmoothQuantTransform(Transform):
             def hook(module, args, kwargs):
                 i = calls.get(name, 0)
                 calls[name] = i + 1
-                if i < len(shapes) and rows[i] > 0:
+                if i < len(shapes):  # whole sequences, in order, up to the token budget; cut at the leaves
                     b, t = shapes[i]
-                    block_inputs.setdefault(name, []).append((slice_batch(args, rows[i], b, t),
-                                                              slice_batch(kwargs, rows[i], b, t)))
+                    block_inputs.setdefault(name, []).extend(
+                        (slice_rows(args, a, e, b, t), slice_rows(kwargs, a, e, b, t))
+                        for a, e in layout.leading_pieces(i, first_n))
             return hook
 
         def stop_when_all_seen(module, args):
@@ -229,6 +229,8 @@ class SmoothQuantTransform(Transform):
         finally:
             for h in handles:
                 h.remove()
+        for prev in sorted({g.prev for g in groups}):  # the maxima over every rank's samples
+            layout.comm.max_(x_max[prev])
         return x_max, block_inputs
 
     @torch.no_grad()
@@ -240,8 +242,8 @@ class SmoothQuantTransform(Transform):
         originals = {n: m.weight.data.clone() for n, m in linears.items()}
         static = self.options["activations"] == "static"
         run = lambda: [layer_output(block(*a, **k)).float() for a, k in batches]  # noqa: E731
-        reference = run()
-        numel = sum(r.numel() for r in reference)
+        reference, comm = run(), self._layout.comm
+        numel, = comm.sum_ints([sum(r.numel() for r in reference)])
         n_steps = round(1 / float(self.options["alpha_step"]))
         alphas = sorted({min(1.0, round(i * float(self.options["alpha_step"]), 6)) for i in range(n_steps + 1)})
         losses, best = [], (math.inf, None)
@@ -264,7 +266,7 @@ class SmoothQuantTransform(Transform):
                 for n, m in linears.items():
                     w = originals[n].float() * s.view(1, -1)
                     m.weight.data = (fake_quantize_grouped(w, W8) if n in ctx.schemes else w).to(m.weight.dtype)
-                loss = sum(float((o - r).pow(2).sum()) for o, r in zip(run(), reference)) / max(1, numel)
+                loss = comm.ordered_sum([float((o - r).pow(2).sum()) for o, r in zip(run(), reference)]) / max(1, numel)
                 losses.append(loss)
                 if loss < best[0]:
                     best = (loss, alpha)
