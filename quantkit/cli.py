@@ -75,7 +75,8 @@ def cli():
               help="GPTQ: act-order, columns by descending Hessian diagonal (default on).")
 @click.option("--static-groups/--no-static-groups", default=None,
               help="GPTQ: group scales computed up front, keeping act-order's g_idx trivial (default on).")
-@click.option("--mse", is_flag=True, help="GPTQ: search a shrunk group range with the lowest reconstruction error.")
+@click.option("--mse/--no-mse", default=None,
+              help="GPTQ: each group's range shrunk to its lowest rounding error (default on); RTN: the same, off by default.")
 @click.option("--moe-calibration", type=click.Choice(["routed", "all"]), default=None,
               help="MoE models: calibrate each expert on the tokens routed to it (routed, the default) or on every "
                    "token (all; the block's output stays the routed one).")
@@ -284,7 +285,7 @@ def _moe_lines(moe) -> list[str]:
     return lines
 
 
-_ON_OFF_FLAGS = ("desc_act", "static_groups")  # --x/--no-x pairs: None when neither was given
+_ON_OFF_FLAGS = ("desc_act", "static_groups", "mse")  # --x/--no-x pairs: None when neither was given
 
 
 def _one_model(positional, option) -> str:

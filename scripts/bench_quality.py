@@ -31,7 +31,7 @@ QUANTKIT_ROWS = {
     "rtn": ["--method", "rtn"],
     "gptq": ["--method", "gptq"],
     "awq": ["--method", "awq", "--format", "gptq"],
-    "best": ["--recipe", "best-w4-demo"],
+    "best": ["--recipe", "best-w4"],
 }
 ASYM_QUANTKIT_ROWS = {"gptq asym": ["--method", "gptq", "--asym"], "awq asym": ["--method", "awq", "--asym",
                                                                                 "--format", "gptq"]}
@@ -56,11 +56,13 @@ def quantize_rows(args, work: Path, calib_ids: Path, peer_folder: str) -> list[d
                    "--seed", "0"]
     for name in _selected(qk_rows, args.rows):
         out = work / name.replace(" ", "-")
+        if _reused(args, out, rows):
+            continue
         summary, wall = run(quantkit_cli("quantize", "--model", args.model, "--bits", "4", "--group-size", "64",
                                          *calibration, *qk_rows[name], "--output", str(out), "--overwrite", "--json"))
-        rows.append({"row": name, "tool": "quantkit", "path": str(out), "seconds": summary["seconds"],
-                     "process_s": round(wall, 1), "cpu_s": summary["_cpu_s"], "peak_rss_mb": summary["peak_rss_mb"],
-                     "sym": summary["sym"]})
+        _keep(rows, out, {"row": name, "tool": "quantkit", "path": str(out), "seconds": summary["seconds"],
+                          "process_s": round(wall, 1), "cpu_s": summary["_cpu_s"], "peak_rss_mb": summary["peak_rss_mb"],
+                          "sym": summary["sym"]})
     pythons = {"llm-compressor": args.llmcompressor_python, "gptqmodel": args.gptqmodel_python}
     peer_rows = {**PEER_ROWS, **(ASYM_PEER_ROWS if args.asym else {}),
                  **{k: v for k, v in OPTIONAL_ROWS.items() if args.rows and k in args.rows}}
@@ -70,13 +72,34 @@ def quantize_rows(args, work: Path, calib_ids: Path, peer_folder: str) -> list[d
             print(f"left out: {name} (no --{tool.replace('-', '')}-python given)")
             continue
         out = work / name.replace(" ", "-")
+        if _reused(args, out, rows):
+            continue
         env = {"GPTQMODEL_CPU_WORKERS": str(os.cpu_count() or 2)} if tool == "gptqmodel" else None
         summary, wall = run([pythons[tool], str(HERE / script), "--method", method, "--model", peer_folder, "--bits", "4",
                              "--group-size", "64", "--calib-ids", str(calib_ids), "--output", str(out), *extra], env=env)
-        rows.append({"row": name, "tool": tool, "path": str(out), "seconds": summary["seconds"],
-                     "process_s": round(wall, 1), "cpu_s": summary["_cpu_s"], "peak_rss_mb": summary["peak_rss_mb"],
-                     "scheme": summary.get("scheme"), "version": summary.get("version")})
+        _keep(rows, out, {"row": name, "tool": tool, "path": str(out), "seconds": summary["seconds"],
+                          "process_s": round(wall, 1), "cpu_s": summary["_cpu_s"], "peak_rss_mb": summary["peak_rss_mb"],
+                          "scheme": summary.get("scheme"), "version": summary.get("version")})
     return rows
+
+
+ROW_FILE = "bench_row.json"  # what the bench measured when it quantized the row, beside the checkpoint
+
+
+def _keep(rows: list[dict], out: Path, row: dict) -> None:
+    row["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    (out / ROW_FILE).write_text(json.dumps(row, indent=1))
+    rows.append(row)
+
+
+def _reused(args, out: Path, rows: list[dict]) -> bool:
+    """With --reuse, a row this workdir already holds (same calibration ids: the workdir's) is read
+    back with the time and memory measured when it was made, instead of quantized again."""
+    saved = out / ROW_FILE
+    if not (args.reuse and saved.is_file()):
+        return False
+    rows.append({**json.loads(saved.read_text()), "reused": True})
+    return True
 
 
 def _selected(rows: dict, wanted) -> list[str]:
@@ -103,7 +126,8 @@ def print_table(rows: list[dict]) -> None:
                if ref else "-")
         print(f"{r['row']:20} {lee['kl_mean']:7.4f} {lee['kl_p99']:6.2f} {lee['top1_agreement']:6.3f} "
               f"{lee['perplexity']:8.3f} {wiki['kl_mean']:7.4f} {wiki['kl_p99']:6.2f} {wiki['top1_agreement']:6.3f} "
-              f"{wiki['perplexity']:8.3f} {rel:>11} {r['process_s']:7.0f} {r['cpu_s']:7.0f} {r['peak_rss_mb']:7.0f}")
+              f"{wiki['perplexity']:8.3f} {rel:>11} {r['process_s']:7.0f} {r['cpu_s']:7.0f} {r['peak_rss_mb']:7.0f}"
+              f"{'  * ' + r['measured_at'] if r.get('reused') else ''}")
     base = rows[0]
     print(f"original model: perplexity lee {base['lee']['baseline_perplexity']:.3f} over {base['lee']['tokens']} tokens, "
           f"wiki {base['wiki']['baseline_perplexity']:.3f} over {base['wiki']['tokens']} tokens; KL/ref: KL mean "
@@ -123,6 +147,9 @@ def main() -> None:
     ap.add_argument("--llmcompressor-python", default=None)
     ap.add_argument("--gptqmodel-python", default=None)
     ap.add_argument("--workdir", default="/tmp/qk-quality")
+    ap.add_argument("--reuse", action="store_true",
+                    help="rows already quantized in this workdir are scored again, not re-quantized (their time and "
+                         "RSS are those measured then, marked with *)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.rows = set(r.strip() for r in args.rows.split(",")) if args.rows else None
