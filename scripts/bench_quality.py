@@ -59,7 +59,8 @@ def quantize_rows(args, work: Path, calib_ids: Path, peer_folder: str) -> list[d
         if _reused(args, out, rows):
             continue
         summary, wall = run(quantkit_cli("quantize", "--model", args.model, "--bits", "4", "--group-size", "64",
-                                         *calibration, *qk_rows[name], "--output", str(out), "--overwrite", "--json"))
+                                         *(calibration if _calibrates(qk_rows[name]) else []), *qk_rows[name],
+                                         "--output", str(out), "--overwrite", "--json"))
         _keep(rows, out, {"row": name, "tool": "quantkit", "path": str(out), "seconds": summary["seconds"],
                           "process_s": round(wall, 1), "cpu_s": summary["_cpu_s"], "peak_rss_mb": summary["peak_rss_mb"],
                           "sym": summary["sym"]})
@@ -81,6 +82,11 @@ def quantize_rows(args, work: Path, calib_ids: Path, peer_folder: str) -> list[d
                           "process_s": round(wall, 1), "cpu_s": summary["_cpu_s"], "peak_rss_mb": summary["peak_rss_mb"],
                           "scheme": summary.get("scheme"), "version": summary.get("version")})
     return rows
+
+
+def _calibrates(flags: list[str]) -> bool:
+    """RTN reads no calibration data (quantkit refuses calibration flags for it)."""
+    return flags[:2] != ["--method", "rtn"]
 
 
 ROW_FILE = "bench_row.json"  # what the bench measured when it quantized the row, beside the checkpoint

@@ -19,6 +19,7 @@ from quantkit.errors import QuantkitError
 from quantkit.models import get_adapter
 from quantkit.quantizers.awq import AWQTransform, clip_ratios_grid, search_clip
 from quantkit.quantizers.base import LayerContext, get_quantizer
+from quantkit.quantizers.recipe import Recipe
 from quantkit.scheme import LinearScheme, QuantScheme
 
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128, max_position_embeddings=64)
@@ -327,25 +328,22 @@ def test_driver_end_to_end_tiny():
 # ------------------------------------------------------------- demo model quality (slow)
 
 @pytest.mark.slow
-def test_demo_perplexity_awq_beats_rtn(demo_bench):
-    """Held-out perplexity on the demo model: AWQ w4g64 asym (clip on and off) vs RTN w4g64 asym.
-
-    Sized for CI's two cores: CI calibrates on 8 x 128 tokens. With 128 x 512 (the issue's size)
-    each run takes about 8 minutes here, mostly the two full-set forwards per layer (statistics,
-    then the quantized layer's output), since the scale search runs on fixed-size samples; the
-    closing notes give those figures (scripts/bench_quantize.py and `quantkit quantize`).
+def test_demo_awq_beats_rtn_by_kl(demo_bench):
+    """KL to the original on held-out Lee (8 windows of 512): AWQ w4g64 asym, clip on and off, against
+    RTN on the same grid. Sized for CI's two cores: 8 x 128 calibration tokens, and the attention
+    scale search on the first 256 of them (the default 2048 would run it over all 8 sequences, each
+    its own reduction leaf: one forward per sequence per grid point). Measured: RTN 0.326, AWQ 0.140, AWQ without clipping 0.160.
     """
-    size = dict(bits=4, group_size=64, sym=False, samples=8, seq_len=128)
-    rtn = demo_bench.rtn(4, 64, False)
-    awq = AWQTransform()
-    ppl_awq = demo_bench.quantized(awq, **size)
-    ppl_noclip = demo_bench.quantized(AWQTransform(clip=False), **size)
+    size = dict(bits=4, group_size=64, sym=False, samples=8, seq_len=128, measure="kl")
+    rtn = demo_bench.quantized(Recipe.of(get_quantizer("rtn")), **size, key="rtn-w4g64-asym-kl")
+    awq = AWQTransform(max_search_tokens=256)
+    kl_awq = demo_bench.quantized(awq, **size)
+    kl_noclip = demo_bench.quantized(AWQTransform(clip=False, max_search_tokens=256), **size)
     alphas = [[g["alpha"] for g in awq.search_log[i]["groups"]] for i in sorted(awq.search_log)]
-    print(f"\nheld-out ppl: original {demo_bench.original():.4f} rtn-w4g64-asym {rtn:.4f} awq {ppl_awq:.4f} "
-          f"awq-noclip {ppl_noclip:.4f}\n  alphas per layer: {alphas}")
-    assert math.isfinite(ppl_awq) and math.isfinite(ppl_noclip)
-    assert ppl_awq < rtn * 0.97 and ppl_noclip < rtn
-    assert ppl_awq <= ppl_noclip * 1.01  # clipping on is no worse than off (1% noise allowance)
+    print(f"\nKL to the original on held-out lee: rtn-w4g64-asym {rtn:.4f} awq {kl_awq:.4f} awq-noclip {kl_noclip:.4f}"
+          f"\n  alphas per layer: {alphas}")
+    assert kl_awq < 0.6 * rtn and kl_noclip < 0.75 * rtn
+    assert kl_awq <= kl_noclip * 1.02  # clipping on is no worse than off
 
 
 # ------------------------------------------------------------- through the public API
