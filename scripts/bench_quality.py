@@ -30,7 +30,7 @@ from bench_quantize import quantkit_cli, run, write_calibration_ids  # noqa: E40
 QUANTKIT_ROWS = {
     "rtn": ["--method", "rtn"],
     "gptq": ["--method", "gptq"],
-    "awq": ["--method", "awq", "--format", "gptq"],
+    "awq": ["--method", "awq", "--sym", "--format", "gptq"],  # AWQ defaults to a zero point: the sym row says so
     "best": ["--recipe", "best-w4"],
 }
 ASYM_QUANTKIT_ROWS = {"gptq asym": ["--method", "gptq", "--asym"], "awq asym": ["--method", "awq", "--asym",
