@@ -18,32 +18,24 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import resource
 import shlex
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_quantize import quantkit_cli, run  # noqa: E402
 
 
 def run_tree(tree: Path, flags: list[str], out: Path) -> dict:
-    """One quantize through `tree`'s CLI; wall, the child's CPU seconds, its peak RSS and weights hash."""
-    cmd = [sys.executable, "-m", "quantkit.cli", "quantize", *flags, "--output", str(out), "--overwrite", "--json"]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tree)})
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode != 0:
-        sys.exit(f"{tree}: quantize failed ({proc.returncode})\n{proc.stderr[-2000:]}")
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    """One quantize through `tree`'s CLI, run from inside the tree (`python -m` puts the working
+    folder first on sys.path, ahead of PYTHONPATH); wall, CPU seconds, peak RSS and the weights' hash."""
+    summary, wall = run(quantkit_cli("quantize", *flags, "--output", str(out), "--overwrite", "--json"),
+                        env={"PYTHONPATH": str(tree)}, cwd=tree)
     digest = hashlib.sha256()
     for f in sorted(out.glob("*.safetensors")):
         digest.update(f.read_bytes())
-    return {"quantize_s": summary["seconds"], "process_s": round(wall, 1), "cpu_s": round(cpu, 1),
+    return {"quantize_s": summary["seconds"], "process_s": round(wall, 1), "cpu_s": summary["_cpu_s"],
             "peak_rss_mb": summary.get("peak_rss_mb"), "weights_sha256": digest.hexdigest()[:16]}
 
 

@@ -32,11 +32,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def run(cmd: list[str], env=None) -> tuple[dict, float]:
-    """Run one child; returns its last-line JSON and its wall seconds. The child's CPU seconds
-    (user + sys, which a busy machine inflates far less than wall time) go into the JSON as _cpu_s."""
+def run(cmd: list[str], env=None, cwd=None) -> tuple[dict, float]:
+    """Run one child (in `cwd` if given); returns its last-line JSON and its wall seconds. The child's
+    CPU seconds (user + sys, which a busy machine inflates far less than wall time) go into the JSON as
+    _cpu_s."""
     t0, c0 = time.perf_counter(), _children_cpu()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=cwd)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         sys.exit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
