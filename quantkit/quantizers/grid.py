@@ -17,6 +17,8 @@ SCALE_DTYPE = torch.float16
 MSE_GRID = 100
 MSE_MAXSHRINK = 0.8
 MSE_NORM = 2.4
+# coarse-to-fine: every 4th shrink factor, then the neighbours of the best (find_qparams)
+MSE_COARSE_STEP = 4
 
 
 def max_code(bits: int) -> int:
@@ -67,7 +69,8 @@ def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool,
         raise ValueError(f"group size {gs} does not divide in_features {k}")
     groups = k // gs
     w = weight.float().reshape(n * groups, gs)
-    scale, zero = find_qparams(w, bits, sym, mse)
+    # the exhaustive search: one call over the whole matrix is a small part of an RTN run
+    scale, zero = find_qparams(w, bits, sym, mse, coarse_step=1)
     q = quantize_codes(w, scale, zero, bits).reshape(n, k)
     return QuantizedWeight(
         qweight=q.to(torch.uint8),
@@ -91,37 +94,57 @@ def fake_quantize_grouped(w: torch.Tensor, scheme) -> torch.Tensor:
 
 
 def find_qparams(x: torch.Tensor, bits: int, sym: bool, mse: bool = False,
-                 grid: int = MSE_GRID, maxshrink: float = MSE_MAXSHRINK, norm: float = MSE_NORM):
+                 grid: int = MSE_GRID, maxshrink: float = MSE_MAXSHRINK, norm: float = MSE_NORM,
+                 coarse_step: int = MSE_COARSE_STEP):
     """Scale/zero per row of x [rows, cols] (fp32 [rows] each), optionally with the reference
-    MSE range-shrink search, vectorised over all shrink factors (chunked to bound memory)."""
+    MSE range-shrink search: shrink factors p = 1 - i/grid for i < maxshrink*grid.
+
+    With coarse_step s > 1 the search first tries every s-th factor, then the s - 1 factors on each
+    side of each row's best coarse one: (n/s + 2s - 2) trials instead of n (27 of 80 at s = 4).
+    The error as a function of p is jagged (values cross rounding boundaries), so this can settle
+    on a neighbouring local minimum; the README's defaults table has what that costs in KL
+    (nothing measurable) and saves in time. coarse_step=1 is the reference's exhaustive loop."""
     if not mse:
         return compute_qparams(x, bits, sym)
     x = x.float()
-    rows, cols = x.shape
-    # compute_qparams only looks at each row's min and max, so a [rows, 2] (min, max) stand-in
-    # gives the identical scale/zero and lets every shrink factor share one call
-    mm = torch.stack([x.amin(dim=1), x.amax(dim=1)], dim=1)
     n_p = int(maxshrink * grid)
-    ps = 1.0 - torch.arange(n_p, dtype=torch.float64, device=x.device) / grid
-    ps = ps.to(torch.float32)
-    chunk = max(1, min(n_p, (1 << 23) // max(1, rows * cols)))
-    best_err = best_scale = best_zero = None
-    for c0 in range(0, n_p, chunk):
-        pc = ps[c0:c0 + chunk]
-        k = pc.numel()
-        scale, zero = compute_qparams(mm.repeat(k, 1), bits, sym, clip_ratio=pc.repeat_interleave(rows))
-        scale, zero = scale.view(k, rows, 1), zero.view(k, rows, 1)
-        d = (fake_quantize(x.unsqueeze(0), scale, zero, bits) - x).abs_()
+    step = max(1, int(coarse_step))
+    # row i tries shrink index idx[i, t]: first every step-th index for every row ...
+    coarse = torch.arange(0, n_p, step, device=x.device).expand(x.shape[0], -1)
+    err, scale, zero = _shrink_errors(x, coarse, bits, sym, grid, norm)
+    best = err.argmin(dim=1)  # first minimum: the largest p wins ties, like the reference's strict <
+    if step == 1:
+        return _pick(scale, best), _pick(zero, best)
+    # ... then the indices around each row's best coarse one (clamped to the range: repeats are harmless)
+    centre = coarse.gather(1, best.unsqueeze(1))
+    fine = (centre + torch.arange(-(step - 1), step, device=x.device)).clamp_(0, n_p - 1)
+    err, scale, zero = _shrink_errors(x, fine, bits, sym, grid, norm)
+    best = err.argmin(dim=1)
+    return _pick(scale, best), _pick(zero, best)
+
+
+def _pick(t: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    return t.gather(1, j.unsqueeze(1)).squeeze(1)
+
+
+def _shrink_errors(x: torch.Tensor, idx: torch.Tensor, bits: int, sym: bool, grid: int, norm: float):
+    """Rounding error sum |fake_quantize(x) - x|^norm of each row of x [rows, cols] on the range
+    shrunk by p = 1 - idx/grid for every index in idx [rows, trials]; returns err, scale and zero,
+    each [rows, trials]. Trials are evaluated a chunk at a time to bound memory."""
+    rows, cols = x.shape
+    trials = idx.shape[1]
+    # compute_qparams only looks at each row's min and max, so a (min, max) stand-in gives the
+    # identical scale/zero for every trial at once
+    mm = torch.stack([x.amin(dim=1), x.amax(dim=1)], dim=1)
+    p = (1.0 - idx.to(torch.float64) / grid).to(torch.float32)  # [rows, trials]
+    scale, zero = compute_qparams(mm.repeat_interleave(trials, 0), bits, sym, clip_ratio=p.reshape(-1))
+    scale, zero = scale.view(rows, trials), zero.view(rows, trials)
+    err = torch.empty(rows, trials, device=x.device)
+    chunk = max(1, min(trials, (1 << 23) // max(1, rows * cols)))
+    for c0 in range(0, trials, chunk):
+        s = scale[:, c0:c0 + chunk].t().unsqueeze(2)  # [k, rows, 1]
+        z = zero[:, c0:c0 + chunk].t().unsqueeze(2)
+        d = (fake_quantize(x.unsqueeze(0), s, z, bits) - x).abs_()
         # |d|**norm as exp(norm*log|d|): ~3x faster than pow on CPU, equal to a few ulp (0 -> 0)
-        err = d.log_().mul_(norm).exp_().sum(dim=2)
-        e, j = err.min(dim=0)  # first minimum: the largest p wins ties, like the reference's strict <
-        s = scale.squeeze(2).gather(0, j.unsqueeze(0)).squeeze(0)
-        z = zero.squeeze(2).gather(0, j.unsqueeze(0)).squeeze(0)
-        if best_err is None:
-            best_err, best_scale, best_zero = e, s, z
-        else:
-            better = e < best_err
-            best_err = torch.where(better, e, best_err)
-            best_scale = torch.where(better, s, best_scale)
-            best_zero = torch.where(better, z, best_zero)
-    return best_scale, best_zero
+        err[:, c0:c0 + chunk] = d.log_().mul_(norm).exp_().sum(dim=2).t()
+    return err, scale, zero
