@@ -337,6 +337,10 @@ def main(argv=None) -> int:
 
 def _exit(code: int) -> int:
     sys.stdout.flush()
+    if "torch.distributed" in sys.modules:  # a torchrun rank may still hold its process group
+        from quantkit.pipeline.distributed import exit_process
+
+        exit_process(code)
     sys.exit(code)
 
 

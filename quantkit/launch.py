@@ -14,7 +14,6 @@ import os
 import pickle
 import signal
 import socket
-import sys
 import threading
 import warnings
 from typing import Any, Callable
@@ -173,14 +172,16 @@ def _rank_main(rank: int, world: int, port: int, target: Callable[..., Any], kwa
     tqdm.set_lock(threading.RLock())
     if rank:
         warnings.simplefilter("ignore")  # rank 0 speaks for the run
+    from quantkit.pipeline.distributed import exit_process
+
     try:
         value = target(**kwargs)
     except QuantkitError as exc:
         results.send(("error", str(exc)))
-        sys.exit(2)
+        exit_process(2)
     except BaseException as exc:  # noqa: BLE001 - one line for the parent, whatever happened
         results.send(describe_crash(exc))
-        sys.exit(1)
+        exit_process(1)
     results.send(("ok", value))
 
 

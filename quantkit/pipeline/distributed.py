@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from collections import Counter
 from typing import Optional
 
@@ -74,6 +75,18 @@ def join_group(device: torch.device, timeout_s: float) -> "TorchComm":
 def leave_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> None:
+    """End this process with `code`. A process that still holds a process group (it stopped on an
+    error before leave_group) skips interpreter finalization: destroying gloo's still-joinable
+    threads there aborts with "terminate called without an active exception" on stderr (seen in
+    CI), which would break the one-line error. Nothing is left to flush but stdio."""
+    if dist.is_available() and dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 class TorchComm:
