@@ -24,7 +24,8 @@ and mean KL(full head || quantized head) of the next-token distributions.
 ``--llamacpp-python PY`` (a Python with llama-cpp-python, e.g. its own venv; or the environment
 variable QUANTKIT_LLAMACPP_PYTHON) adds llama.cpp on the demo's own Q4_1 GGUF as a row, measured in
 the same rounds with the same prompt tokens, threads and new tokens, prefill excluded
-(``scripts/llamacpp_decode.py``).
+(``scripts/llamacpp_decode.py``); ``--llamacpp-gguf A.gguf,B.gguf`` adds llama.cpp rows on other files
+(e.g. the Q4_0 ones scripts/bench_gguf.py writes).
 
 Then batch 16: the int4 model through the engine with 16 different random prompts submitted at
 once (continuous batching) against the same 16 prompts run one after another (prefix caching off
@@ -48,6 +49,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Optional
 
 
 def _sync(device):
@@ -121,13 +123,15 @@ def batch_vs_sequential(engine, prompts: list[list[int]], n: int) -> dict:
             "kv_blocks_total": m["kv_blocks_total"]}
 
 
-def llamacpp_decode(python: str, prompt: list[int], n: int, threads: int) -> dict:
-    """One llama.cpp decode run (scripts/llamacpp_decode.py in `python`'s environment) on the demo GGUF."""
+def llamacpp_decode(python: str, prompt: list[int], n: int, threads: int, gguf: Optional[str] = None) -> dict:
+    """One llama.cpp decode run (scripts/llamacpp_decode.py in `python`'s environment) on `gguf`
+    (default: the demo GGUF)."""
     import subprocess
 
     from quantkit.assets import demo_gguf_path
 
-    req = {"gguf": str(demo_gguf_path()), "prompt_ids": prompt, "new_tokens": n, "threads": threads, "repeats": 1}
+    req = {"gguf": str(gguf or demo_gguf_path()), "prompt_ids": prompt, "new_tokens": n, "threads": threads,
+           "repeats": 1}
     out = subprocess.run([python, str(Path(__file__).with_name("llamacpp_decode.py"))], input=json.dumps(req),
                          capture_output=True, text=True, check=True, timeout=1800)
     rate = json.loads(out.stdout)["decode_tokens_per_s"][0]
@@ -181,6 +185,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lm-head-quant", default="", help="comma list of int8, int4: rows with the LM head quantized")
     ap.add_argument("--llamacpp-python", default=os.environ.get("QUANTKIT_LLAMACPP_PYTHON"),
                     help="a Python with llama-cpp-python: adds llama.cpp on the demo GGUF as a row")
+    ap.add_argument("--llamacpp-gguf", default="", help="comma list of further GGUF files for llama.cpp rows "
+                    "(e.g. the Q4_0 files scripts/bench_gguf.py writes); needs --llamacpp-python")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
@@ -256,6 +262,9 @@ def main(argv=None) -> int:
     if args.llamacpp_python:
         measures["llama.cpp (demo Q4_1 GGUF)"] = lambda: llamacpp_decode(args.llamacpp_python, prompt, N,
                                                                           torch.get_num_threads())
+        for path in [p for p in args.llamacpp_gguf.split(",") if p]:
+            measures[f"llama.cpp ({Path(path).parent.name}/{Path(path).name})"] = \
+                lambda path=path: llamacpp_decode(args.llamacpp_python, prompt, N, torch.get_num_threads(), path)
 
     if args.rows:
         import re

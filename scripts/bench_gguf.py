@@ -1,19 +1,25 @@
 """GGUF side by side on the demo model, everything scored by llama.cpp itself (llama-cpp-python).
 
 Rows: quantkit's F32 GGUF (the original weights), quantkit GPTQ -> Q4_0 and -> Q4_K_M (optimised
-on llama.cpp's grids), and llama.cpp's own Q4_0 / Q4_K_M made by `llama_model_quantize` from
-quantkit's F32 GGUF (round-to-nearest, no importance matrix). Per row: file size, bits per weight,
-llama.cpp's perplexity on the Lee eval split, KL divergence of llama.cpp's next-token distribution
+on llama.cpp's grids), llama.cpp's own Q4_0 / Q4_K_M made by `llama_model_quantize` from
+quantkit's F32 GGUF (round-to-nearest, no importance matrix), and quantkit RTN in every other type
+it writes (does llama.cpp load it, and agree with quantkit's reading?). Per row and per held-out
+text (lee and wiki by default): file size, bits per weight, llama.cpp's perplexity, KL divergence of llama.cpp's next-token distribution
 to the original model's (transformers fp32, the same windows; mean and 99th percentile) and top-1
 agreement, quantkit's own reference perplexity of the same file (its GGUF reader + fp32 torch;
 llama.cpp quantizes activations to 8 bits, so the two differ slightly) and llama.cpp decode tok/s.
 
 llama-cpp-python is not a quantkit dependency; build it once in its own venv (CPU only, 2 cores,
-about 15 minutes here) and run this script with that venv's site-packages on the path:
+about 8-15 minutes here) and run this script with that venv's site-packages on the path. Not
+GGML_NATIVE: on these VMs the CPU reports AMX, a native build uses it, and `tilezero` dies with
+SIGILL inside ggml_backend_amx_mul_mat (the hypervisor does not enable AMX tiles); so name the
+AVX-512 features and leave AMX off:
 
     python3 -m venv /work/llamacpp-venv
     /work/llamacpp-venv/bin/pip install --upgrade pip
-    CMAKE_ARGS="-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DGGML_NATIVE=ON \\
+    CMAKE_ARGS="-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DGGML_NATIVE=OFF \\
+      -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \\
+      -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \\
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \\
       nice -n 10 /work/llamacpp-venv/bin/pip install --no-binary llama-cpp-python --no-cache-dir \\
       "llama-cpp-python==0.3.36" numpy
@@ -83,18 +89,48 @@ def scores(logits: list[torch.Tensor], ref: list[torch.Tensor], windows: torch.T
             "top1": float(torch.cat(top1).float().mean())}
 
 
+FLOAT_TYPES = ("F16", "BF16")  # written by `convert` from the unquantized model
+ALL_TYPES = FLOAT_TYPES + ("Q8_0", "Q6_K", "Q5_K_M", "Q5_K", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K", "Q4_1", "Q4_0")
+
+
+def held_out_windows(dataset: str, tok, n: int, seq_len: int) -> torch.Tensor:
+    from quantkit import data
+
+    stream = data.eval_token_stream(dataset, tok, max_tokens=n * seq_len)
+    n = min(n, stream.numel() // seq_len)  # lee's held-out split holds 12 windows of 512
+    if n == 0:
+        raise SystemExit(f"{dataset}: only {stream.numel()} held-out tokens, fewer than one window of {seq_len}")
+    return stream[:n * seq_len].view(n, seq_len)
+
+
+def score_file(path: Path, windows: dict, ref: dict, threads: int) -> dict:
+    """llama.cpp's and quantkit's own scores of one GGUF on every held-out set."""
+    from quantkit.runtime.loader import load_model
+
+    r = {}
+    qk = load_model(str(path))  # quantkit's reader, fp32 torch forward of the same weights
+    for name, w in windows.items():
+        r[name] = scores(llama_logits(path, w, threads), ref[name], w)
+        with torch.no_grad():
+            r[name]["quantkit_ppl"] = scores([qk(row.unsqueeze(0)).logits[0].float() for row in w], ref[name], w)["ppl"]
+    del qk
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", default="bench-gguf-work")
-    ap.add_argument("--windows", type=int, default=8, help="eval windows of --seq-len tokens")
+    ap.add_argument("--windows", type=int, default=16, help="held-out windows of --seq-len tokens per dataset (at most what it holds)")
+    ap.add_argument("--datasets", default="lee,wiki", help="held-out texts scored (comma-separated)")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--num-samples", type=int, default=128, help="GPTQ calibration sequences")
+    ap.add_argument("--rtn-types", default=",".join(ALL_TYPES),
+                    help="types also written by quantkit (RTN; F16/BF16 by convert), to check llama.cpp loads each and agrees with quantkit")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     import quantkit
-    from quantkit import data
     from quantkit.assets import demo_model_dir
     from quantkit.convert import convert
     from quantkit.runtime.loader import load_model, load_tokenizer
@@ -102,8 +138,7 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(exist_ok=True)
     tok = load_tokenizer(str(demo_model_dir()))
-    stream = data.eval_token_stream("lee", tok)
-    windows = stream[:args.windows * args.seq_len].view(args.windows, args.seq_len)
+    windows = {d: held_out_windows(d, tok, args.windows, args.seq_len) for d in args.datasets.split(",")}
     files = {}
     f32 = work / "quantkit-F32"
     if not (f32 / "model.gguf").exists():
@@ -119,31 +154,38 @@ def main() -> None:
         if not own.exists():
             llama_quantize(f32 / "model.gguf", own, t, args.threads)
         files[f"llama.cpp {t} (llama_model_quantize)"] = own
+    for t in filter(None, args.rtn_types.split(",")):
+        out = work / f"quantkit-rtn-{t}"
+        if not (out / "model.gguf").exists() and t in FLOAT_TYPES:
+            convert("demo", "gguf", out, gguf_type=t, overwrite=True)
+        elif not (out / "model.gguf").exists():
+            quantkit.quantize("demo", "rtn", format="gguf", gguf_type=t, output=out, overwrite=True, progress=False)
+        files[f"quantkit {'export' if t in FLOAT_TYPES else 'RTN'} -> {t}"] = out / "model.gguf"
 
     original = load_model(str(demo_model_dir()), dtype="float32")
     with torch.no_grad():
-        ref = [original(row.unsqueeze(0)).logits[0].float() for row in windows]
+        ref = {d: [original(row.unsqueeze(0)).logits[0].float() for row in w] for d, w in windows.items()}
     del original
     n_params = sum(int(np.prod(t.shape)) for t in __import__("gguf").GGUFReader(str(f32 / "model.gguf")).tensors)
+    prompt = next(iter(windows.values()))[0, :32].tolist()
     rows = []
     for name, path in files.items():
-        r = {"name": name, "size_mb": path.stat().st_size / 2 ** 20, "bpw": 8 * path.stat().st_size / n_params}
-        r.update(scores(llama_logits(path, windows, args.threads), ref, windows))
-        qk = load_model(str(path))  # quantkit's reader, fp32 torch forward of the same weights
-        with torch.no_grad():
-            qk_logits = [qk(row.unsqueeze(0)).logits[0].float() for row in windows]
-        del qk
-        r["quantkit_ppl"] = scores(qk_logits, ref, windows)["ppl"]
-        r["decode_tok_s"] = decode_tok_s(path, windows[0, :32].tolist(), 64, args.threads)
+        r = {"name": name, "size_mb": path.stat().st_size / 2 ** 20, "bpw": 8 * path.stat().st_size / n_params,
+             **score_file(path, windows, ref, args.threads),
+             "decode_tok_s": decode_tok_s(path, prompt, 64, args.threads)}
         rows.append(r)
         print(json.dumps(r), flush=True)
-    print(f"\n{args.windows} x {args.seq_len} Lee eval tokens; KL(original || llama.cpp) per next token; "
-          f"{args.threads} threads")
-    print(f"| row | size MB | bpw | ppl (llama.cpp) | ppl (quantkit ref) | KL mean | KL p99 | top-1 | decode tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    names = list(windows)
+    print(f"\nheld-out: {', '.join(f'{d} {w.shape[0]} x {w.shape[1]} tokens' for d, w in windows.items())}; "
+          f"KL(original fp32 transformers || llama.cpp) per next token; ppl gap = llama.cpp / quantkit's own "
+          f"fp32 forward of the same file - 1; {args.threads} threads")
+    head = " | ".join(f"KL {d} | p99 {d} | top-1 {d} | ppl {d} (llama.cpp) | ppl gap {d}" for d in names)
+    print(f"| row | size MB | bpw | {head} | decode tok/s |")
+    print("|" + "---|" * (4 + 5 * len(names)))
     for r in rows:
-        print(f"| {r['name']} | {r['size_mb']:.1f} | {r['bpw']:.2f} | {r['ppl']:.3f} | {r['quantkit_ppl']:.3f} | "
-              f"{r['kl_mean']:.4f} | {r['kl_p99']:.3f} | {r['top1']:.3f} | {r['decode_tok_s']:.1f} |")
+        cells = " | ".join(f"{r[d]['kl_mean']:.4f} | {r[d]['kl_p99']:.3f} | {r[d]['top1']:.3f} | {r[d]['ppl']:.3f} | "
+                           f"{100 * (r[d]['ppl'] / r[d]['quantkit_ppl'] - 1):+.2f} %" for d in names)
+        print(f"| {r['name']} | {r['size_mb']:.1f} | {r['bpw']:.2f} | {cells} | {r['decode_tok_s']:.1f} |")
     if args.json:
         print(json.dumps(rows))
 
