@@ -2,7 +2,9 @@
 
 Rows: quantkit's F32 GGUF (the original weights), quantkit GPTQ -> Q4_0 and -> Q4_K_M (optimised
 on llama.cpp's grids), llama.cpp's own Q4_0 / Q4_K_M made by `llama_model_quantize` from
-quantkit's F32 GGUF (round-to-nearest, no importance matrix), and quantkit RTN in every other type
+quantkit's F32 GGUF (round-to-nearest), the same with an importance matrix computed as llama-imatrix
+does from the calibration tokens quantkit's GPTQ uses (handed to llama_model_quantize through
+llama.h's llama_model_imatrix_data array; llama-cpp-python has no imatrix tool), and quantkit RTN in every other type
 it writes (does llama.cpp load it, and agree with quantkit's reading?). Per row and per held-out
 text (lee and wiki by default): file size, bits per weight, llama.cpp's perplexity, KL divergence of llama.cpp's next-token distribution
 to the original model's (transformers fp32, the same windows; mean and 99th percentile) and top-1
@@ -65,12 +67,24 @@ def decode_tok_s(path: Path, prompt: list[int], n_new: int, threads: int) -> flo
     return n_new / (time.perf_counter() - t0)
 
 
-def llama_quantize(src: Path, dst: Path, ftype_name: str, threads: int) -> None:
+def llama_quantize(src: Path, dst: Path, ftype_name: str, threads: int, imatrix: dict | None = None) -> None:
+    """llama.cpp's own quantization (llama-quantize's code path), with an importance matrix if given:
+    {GGUF tensor name: float32 values per input column}, handed over as llama.h's
+    null-terminated llama_model_imatrix_data array (what llama-quantize builds from an imatrix file)."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}")
     params.nthread = threads
+    if imatrix:
+        values = {name: np.ascontiguousarray(v, dtype=np.float32) for name, v in imatrix.items()}
+        names = {name: name.encode() for name in values}  # kept alive until the call returns
+        entries = (llama_cpp.llama_model_imatrix_data * (len(values) + 1))()
+        for entry, (name, v) in zip(entries, values.items()):
+            entry.name, entry.size = names[name], v.size
+            entry.data = v.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        entries[len(values)].name = None  # the terminator
+        params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize {ftype_name} failed ({rc})")
@@ -91,6 +105,37 @@ def scores(logits: list[torch.Tensor], ref: list[torch.Tensor], windows: torch.T
 
 FLOAT_TYPES = ("F16", "BF16")  # written by `convert` from the unquantized model
 ALL_TYPES = FLOAT_TYPES + ("Q8_0", "Q6_K", "Q5_K_M", "Q5_K", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K", "Q4_1", "Q4_0")
+
+
+def importance_matrix(tok, num_samples: int, seq_len: int) -> dict:
+    """llama-imatrix's statistic, from the calibration tokens quantkit's GPTQ rows use (lee, seed 0):
+    per GGUF weight, the mean over tokens of each input column's squared activation, taken on the
+    unquantized model (fp32 transformers). The tied output head is left out, as llama-imatrix does
+    by default."""
+    from quantkit import data
+    from quantkit.assets import demo_model_dir
+    from quantkit.gguf_plan import gguf_name
+    from quantkit.runtime.loader import load_model
+
+    model = load_model(str(demo_model_dir()), dtype="float32")
+    sums, counts, hooks = {}, {}, []
+
+    def observe(name):
+        def hook(module, inputs, output):
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+            sums[name] = sums.get(name, 0) + (x * x).sum(0)
+            counts[name] = counts.get(name, 0) + x.shape[0]
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head" and gguf_name(f"{name}.weight"):
+            hooks.append(module.register_forward_hook(observe(name)))
+    with torch.no_grad():
+        for row in data.calibration_batches("lee", tok, num_samples=num_samples, seq_len=seq_len, seed=0):
+            model(row.unsqueeze(0))
+    for h in hooks:
+        h.remove()
+    return {gguf_name(f"{n}.weight"): (sums[n] / counts[n]).float().numpy() for n in sums}
 
 
 def held_out_windows(dataset: str, tok, n: int, seq_len: int) -> torch.Tensor:
@@ -126,6 +171,9 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=128, help="GPTQ calibration sequences")
     ap.add_argument("--rtn-types", default=",".join(ALL_TYPES),
                     help="types also written by quantkit (RTN; F16/BF16 by convert), to check llama.cpp loads each and agrees with quantkit")
+    ap.add_argument("--no-imatrix", dest="imatrix", action="store_false",
+                    help="skip llama.cpp's Q4_0/Q4_K_M with an importance matrix")
+    ap.add_argument("--only", default=None, help="regex: score only the rows whose name matches (files are made anyway)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -144,6 +192,7 @@ def main() -> None:
     if not (f32 / "model.gguf").exists():
         convert("demo", "gguf", f32, gguf_type="F32", overwrite=True)
     files["F32 (quantkit export)"] = f32 / "model.gguf"
+    imatrix = None
     for t in ("Q4_0", "Q4_K_M"):
         out = work / f"quantkit-gptq-{t}"
         if not (out / "model.gguf").exists():
@@ -154,6 +203,12 @@ def main() -> None:
         if not own.exists():
             llama_quantize(f32 / "model.gguf", own, t, args.threads)
         files[f"llama.cpp {t} (llama_model_quantize)"] = own
+        if args.imatrix:
+            own_im = work / f"llama-{t}-imatrix.gguf"
+            if not own_im.exists():
+                imatrix = imatrix or importance_matrix(tok, args.num_samples, args.seq_len)
+                llama_quantize(f32 / "model.gguf", own_im, t, args.threads, imatrix)
+            files[f"llama.cpp {t} + imatrix (same calibration tokens)"] = own_im
     for t in filter(None, args.rtn_types.split(",")):
         out = work / f"quantkit-rtn-{t}"
         if not (out / "model.gguf").exists() and t in FLOAT_TYPES:
@@ -169,6 +224,10 @@ def main() -> None:
     n_params = sum(int(np.prod(t.shape)) for t in __import__("gguf").GGUFReader(str(f32 / "model.gguf")).tensors)
     prompt = next(iter(windows.values()))[0, :32].tolist()
     rows = []
+    if args.only:
+        import re
+
+        files = {name: path for name, path in files.items() if re.search(args.only, name)}
     for name, path in files.items():
         r = {"name": name, "size_mb": path.stat().st_size / 2 ** 20, "bpw": 8 * path.stat().st_size / n_params,
              **score_file(path, windows, ref, args.threads),

@@ -19,6 +19,10 @@ the same round. Decode only (prefill excluded): tokens / time of the decode step
     predicted  = E[tok] / (k c + 1)   (Leviathan et al.: the verification costs one target step)
     measured   = speculative decode tok/s / target-alone decode tok/s
     verify/tgt = a verification step's time / a target decode step's (k + 1 rows vs 1)
+    draft/tgt  = the draft's time per speculative step / a target decode step's (k c if drafting
+                 cost k plain draft steps; its catch-up on the last step's tokens is an extend)
+    accounted  = tok/step / (draft/tgt + verify/tgt): the speed-up the measured step parts allow;
+                 measured below it is engine overhead outside the draft and the verification
 
 Every speculative row's tokens are checked equal to the target alone's (greedy).
 
@@ -149,7 +153,7 @@ def report(runs: dict, ks: list[int], args, draft_path, tok, free_len: int, quot
           f"{med([r['decode_tokens_per_s'] for r in runs['int4 draft alone (free)']]):.1f} tok/s; "
           f"c = {c:.3f} (rounds: {' '.join(f'{x:.3f}' for x in c_rounds)})")
     head = f"{'':26s} {'tok/s':>7s} {'accept':>7s} {'alpha':>6s} {'tok/step':>8s} {'verify/tgt':>10s} " \
-           f"{'predicted':>9s} {'measured':>8s}  per-round speed-ups   same tokens"
+           f"{'draft/tgt':>9s} {'predicted':>9s} {'accounted':>9s} {'measured':>8s}  per-round speed-ups   same tokens"
     print(head)
     table = {"c": c, "c_rounds": c_rounds, "rows": {}}
     for name, rs in runs.items():
@@ -159,17 +163,20 @@ def report(runs: dict, ks: list[int], args, draft_path, tok, free_len: int, quot
         k = int(name.split("k=")[1].split(" ")[0])
         ups = [r["decode_tokens_per_s"] / b["decode_tokens_per_s"] for r, b in zip(rs, base[key])]
         verify = [1e3 * r["verify_time_s"] / r["speculative_steps"] / b["step_ms"] for r, b in zip(rs, base[key])]
+        drafting = [1e3 * r["draft_time_s"] / r["speculative_steps"] / b["step_ms"] for r, b in zip(rs, base[key])]
         alpha = med([r["per_token_acceptance"] or 0.0 for r in rs])
         tps = 1 + med([r["mean_accepted_tokens"] or 0.0 for r in rs])
         pred = predicted(alpha, k, c if "int4" in name else 0.0)
         same = all(r["tokens"] == want[key] for r in rs)
         row = {"decode_tokens_per_s": med([r["decode_tokens_per_s"] for r in rs]), "acceptance_rate":
                med([r["acceptance_rate"] or 0.0 for r in rs]), "alpha": alpha, "tokens_per_step": tps,
-               "verify_over_target_step": med(verify), "predicted": pred, "measured": med(ups), "speedups": ups,
+               "verify_over_target_step": med(verify), "draft_over_target_step": med(drafting), "predicted": pred,
+               "accounted": tps / (med(drafting) + med(verify)), "measured": med(ups), "speedups": ups,
                "same_tokens": same}
         table["rows"][name] = row
         print(f"{name:26s} {row['decode_tokens_per_s']:7.1f} {row['acceptance_rate']:7.3f} {alpha:6.3f} {tps:8.2f} "
-              f"{row['verify_over_target_step']:10.2f} {pred:8.2f}x {row['measured']:7.2f}x  "
+              f"{row['verify_over_target_step']:10.2f} {row['draft_over_target_step']:9.2f} {pred:8.2f}x "
+              f"{row['accounted']:8.2f}x {row['measured']:7.2f}x  "
               + " ".join(f"{x:4.2f}x" for x in ups) + f"   {'yes' if same else 'NO'}")
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2))
