@@ -139,13 +139,11 @@ def importance_matrix(tok, num_samples: int, seq_len: int) -> dict:
 
 
 def held_out_windows(dataset: str, tok, n: int, seq_len: int) -> torch.Tensor:
+    """Up to `n` windows of the dataset's held-out split (lee's holds 12 of 512), as quantkit eval cuts them."""
     from quantkit import data
+    from quantkit.scoring import windows_of
 
-    stream = data.eval_token_stream(dataset, tok, max_tokens=n * seq_len)
-    n = min(n, stream.numel() // seq_len)  # lee's held-out split holds 12 windows of 512
-    if n == 0:
-        raise SystemExit(f"{dataset}: only {stream.numel()} held-out tokens, fewer than one window of {seq_len}")
-    return stream[:n * seq_len].view(n, seq_len)
+    return windows_of(data.eval_token_stream(dataset, tok, max_tokens=n * seq_len), seq_len, n)
 
 
 def score_file(path: Path, windows: dict, ref: dict, threads: int) -> dict:
