@@ -147,8 +147,8 @@ exit_process(2)  # an error found after joining: no leave_group
 
 def test_a_rank_that_ends_holding_its_group_exits_with_its_code_and_says_nothing_else():
     """A rank leaving on an error still holds its gloo group. Plain sys.exit there aborts in
-    interpreter finalization ("terminate called without an active exception", SIGABRT) in most runs
-    in about a quarter of the processes (a race with gloo's threads; it broke CI once); exit_process
+    interpreter finalization ("terminate called without an active exception", SIGABRT) in about a
+    quarter of the processes (a race with gloo's threads; it broke CI once); exit_process
     must give the rank's own code and no output beyond the rank's. Six rounds of two ranks: with the
     plain sys.exit this test failed in 2 of 3 runs."""
     from quantkit.launch import free_port
