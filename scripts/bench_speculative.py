@@ -162,8 +162,10 @@ def report(runs: dict, ks: list[int], args, draft_path, tok, free_len: int, quot
         key = "quote" if "(quote)" in name else "free"
         k = int(name.split("k=")[1].split(" ")[0])
         ups = [r["decode_tokens_per_s"] / b["decode_tokens_per_s"] for r, b in zip(rs, base[key])]
-        verify = [1e3 * r["verify_time_s"] / r["speculative_steps"] / b["step_ms"] for r, b in zip(rs, base[key])]
-        drafting = [1e3 * r["draft_time_s"] / r["speculative_steps"] / b["step_ms"] for r, b in zip(rs, base[key])]
+        def in_target_steps(field: str) -> list[float]:  # a part of a speculative step, per round
+            return [1e3 * r[field] / r["speculative_steps"] / b["step_ms"] for r, b in zip(rs, base[key])]
+
+        verify, drafting = in_target_steps("verify_time_s"), in_target_steps("draft_time_s")
         alpha = med([r["per_token_acceptance"] or 0.0 for r in rs])
         tps = 1 + med([r["mean_accepted_tokens"] or 0.0 for r in rs])
         pred = predicted(alpha, k, c if "int4" in name else 0.0)
