@@ -136,7 +136,10 @@ class GPTQQuantizer(Quantizer):
         if cross is not None:  # GPTAQ: GPTQ on the target that reproduces the unquantized model's output
             weight = asymmetric_target(weight, H, cross.cross().to(H.device), float(o["gptaq_alpha"]),
                                        float(o["damp_percent"]))
-        grid = choose_grid(weight, ggml_type(scheme.grid)) if scheme.grid is not None else None
+        # a GGUF type's blocks: parameters searched as llama-quantize does with an importance matrix,
+        # H's diagonal being one (llama-imatrix's mean squared activation per input column, up to scale)
+        grid = (None if scheme.grid is None
+                else choose_grid(weight, ggml_type(scheme.grid), importance=torch.diagonal(H)))
         qw, stats = gptq_quantize(
             weight if grid is None else grid.shifted(weight), H, bits=scheme.bits, group_size=scheme.group_size,
             sym=scheme.sym, block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
