@@ -277,7 +277,7 @@ def _linear_schemes(plan, hf_model, adapter) -> dict:
     if plan.gguf_type is not None:  # each linear on the grid of the type llama-quantize would give it
         from quantkit.gguf_export import linear_schemes
 
-        schemes = linear_schemes(hf_model, plan.gguf_type, schemes)
+        schemes = linear_schemes(hf_model, plan.gguf_type, schemes, calibrated=plan.recipe.needs_calibration)
         if not schemes:
             raise QuantkitError(f"--gguf-type {plan.gguf_type} quantizes nothing; for a float GGUF use "
                                 f"`quantkit convert MODEL --format gguf --gguf-type {plan.gguf_type}`")
@@ -361,7 +361,7 @@ def _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job: dict,
                if job["experts"] is not None else None)
         if plan.gguf_type is not None:
             _write_gguf(output, hf_model, tokenizer, disk, adapter.layers_prefix(hf_model), plan.gguf_type,
-                        plan.method_info(), base_name, overwrite)
+                        plan.method_info(), base_name, overwrite, calibrated=plan.recipe.needs_calibration)
         else:
             write_checkpoint(output, hf_model, tokenizer, disk, adapter.layers_prefix(hf_model), plan.format,
                              plan.method_info(), plan.recipe.format_extra(), base_name, save_dtype, ignore_names,
@@ -395,12 +395,13 @@ def _summary(output: Path, plan, schemes: dict, layer_source, cal_batch, t0: flo
 
 
 def _write_gguf(output: Path, model, tokenizer, store, layers_prefix: str, gguf_type: str, method: dict,
-                base_name: str, overwrite: bool) -> None:
+                base_name: str, overwrite: bool, calibrated: bool) -> None:
     from quantkit.gguf_export import record_fetch, write_gguf_folder
     from quantkit.progress import LAYER_DIR, RUN_FILE
 
     write_gguf_folder(output, store.folder, model, tokenizer, gguf_type, record_fetch(model, store, layers_prefix),
-                      base_name, {**method, "gguf_type": gguf_type}, remove=(LAYER_DIR, RUN_FILE), overwrite=overwrite)
+                      base_name, {**method, "gguf_type": gguf_type}, remove=(LAYER_DIR, RUN_FILE), overwrite=overwrite,
+                      calibrated=calibrated)
 
 
 def _rss_mb() -> Optional[float]:

@@ -38,11 +38,13 @@ def default_gguf_type(bits: int, sym: bool) -> str:
                         "(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q4_K_M, Q5_K_M, F16, BF16, F32)")
 
 
-def linear_schemes(model, gguf_type: str, targets: dict[str, LinearScheme]) -> dict[str, LinearScheme]:
-    """Each calibrated linear's scheme on the grid of the type llama-quantize would give it; linears
-    whose planned type is float (F16 fallback, a float file) are left out (not quantized)."""
+def linear_schemes(model, gguf_type: str, targets: dict[str, LinearScheme],
+                   calibrated: bool = False) -> dict[str, LinearScheme]:
+    """Each target linear's scheme on the grid of the type llama-quantize would give it (`calibrated`:
+    with an importance matrix); linears whose planned type is float (F16 fallback, a float file) are
+    left out (not quantized)."""
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    planned = {p.hf_name: p for p in plan_model(shapes, model.config, gguf_type)}
+    planned = {p.hf_name: p for p in plan_model(shapes, model.config, gguf_type, calibrated)}
     out = {}
     for name in targets:
         p = planned.get(f"{name}.weight")
@@ -61,15 +63,17 @@ def to_planned(p: PlannedTensor, value: Value) -> Value:
 
 def write_gguf_folder(output: Path, stage: Path, model, tokenizer, gguf_type: str, fetch: Callable[[str], Value],
                       base_model: str, method: dict[str, Any], remove: tuple[str, ...] = (),
-                      overwrite: bool = False, plan: Optional[list[PlannedTensor]] = None) -> Path:
+                      overwrite: bool = False, plan: Optional[list[PlannedTensor]] = None,
+                      calibrated: bool = False) -> Path:
     """Write model.gguf (tensors from `fetch(hf_name)`), config.json, tokenizer and card into `stage`,
     drop `remove` (progress files), rename `stage` to `output`. `plan` defaults to llama-quantize's
-    choices for `gguf_type`."""
+    choices for `gguf_type` (`calibrated`: with an importance matrix, as `linear_schemes` chose)."""
     output = Path(output)
     check_output_dir(output, overwrite)
     gguf_type = check_gguf_type(gguf_type)
     if plan is None:
-        plan = plan_model({k: tuple(v.shape) for k, v in model.state_dict().items()}, model.config, gguf_type)
+        plan = plan_model({k: tuple(v.shape) for k, v in model.state_dict().items()}, model.config, gguf_type,
+                          calibrated)
     stage.mkdir(parents=True, exist_ok=True)
     target = stage / gguf_format.FILENAME
     try:
@@ -90,7 +94,8 @@ def write_gguf_folder(output: Path, stage: Path, model, tokenizer, gguf_type: st
     if tokenizer is not None:
         tokenizer.save_pretrained(stage)
     specs = _specs(plan)
-    (stage / "README.md").write_text(model_card(base_model, "gguf", method, qcfg, specs) + _gguf_card(plan, gguf_type))
+    card = model_card(base_model, "gguf", method, qcfg, specs) + _gguf_card(plan, gguf_type, calibrated)
+    (stage / "README.md").write_text(card)
     for name in remove:
         path = stage / name
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
@@ -111,13 +116,15 @@ def _specs(plan: list[PlannedTensor]) -> dict[str, LinearSpec]:
             for p in plan if p.type.quantized and len(p.shape) == 2}
 
 
-def _gguf_card(plan: list[PlannedTensor], gguf_type: str) -> str:
+def _gguf_card(plan: list[PlannedTensor], gguf_type: str, calibrated: bool) -> str:
     total = sum(p.type.row_bytes(p.shape[-1]) * (p.shape[0] if len(p.shape) == 2 else 1) for p in plan)
     weights = sum(p.shape[0] * p.shape[-1] if len(p.shape) == 2 else p.shape[0] for p in plan)
     lines = ["", "## GGUF", "", f"- file: `{gguf_format.FILENAME}` (llama.cpp), type {gguf_type}"
              + (f" (mix; default tensor type {MIXES[gguf_type]})" if gguf_type in MIXES else ""),
              f"- tensor types: {', '.join(f'{k} x{v}' for k, v in _type_counts(plan).items())}",
              f"- {8 * total / weights:.3f} bits per weight over all tensors",
+             *(["- tensor types and block scales as llama-quantize chooses them with an importance matrix "
+                "(the calibration's per-column mean squared activation)"] if calibrated else []),
              "", "Run it with `llama-cli -m model.gguf` or `llama_cpp.Llama(model_path=...)`.", ""]
     return "\n".join(lines)
 

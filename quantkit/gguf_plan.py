@@ -5,7 +5,9 @@ follow src/llama-quant.cpp: `llama_tensor_get_type_impl` for the mixes (Q4_K_M/Q
 and ffn_down Q6_K on the layers where `use_more_bits`; the output matrix, or a tied token
 embedding, gets Q6_K, or Q8_0 when its rows are not a multiple of the mix's block) and
 `tensor_type_fallback` for rows a block does not divide (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0,
-then F16). Norms and other 1-D tensors stay F32, as in every llama.cpp file.
+then F16). Norms and other 1-D tensors stay F32, as in every llama.cpp file. A calibrated run
+(GPTQ) gets the choices llama-quantize makes with an importance matrix: Q4_0/Q5_0 files put the
+first eighth of the layers' ffn_down in Q4_1/Q5_1 (its guard against unstable early ffn_down).
 """
 from __future__ import annotations
 
@@ -74,13 +76,18 @@ def hf_name_of(gguf_tensor: str) -> Optional[str]:
     return None
 
 
+IMATRIX_EARLY_FFN_DOWN = {"Q4_0": "Q4_1", "Q5_0": "Q5_1"}  # llama-quant.cpp, has_imatrix && i_layer < n_layer/8
+
+
 def use_more_bits(i: int, n: int) -> bool:
     """llama-quant.cpp: the first and last eighth of the layers and every third one between."""
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def tensor_type(gguf_tensor: str, shape: tuple[int, ...], gguf_type: str, n_layers: int, tied: bool) -> GGMLType:
-    """The ggml type llama-quantize gives `gguf_tensor` (torch shape) for file type `gguf_type`."""
+def tensor_type(gguf_tensor: str, shape: tuple[int, ...], gguf_type: str, n_layers: int, tied: bool,
+                calibrated: bool = False) -> GGMLType:
+    """The ggml type llama-quantize gives `gguf_tensor` (torch shape) for file type `gguf_type`
+    (`calibrated`: as it does when given an importance matrix)."""
     default = TYPES[MIXES.get(gguf_type, gguf_type)]
     if len(shape) < 2 or gguf_tensor.endswith("_norm.weight"):
         return TYPES["F32"]
@@ -94,11 +101,16 @@ def tensor_type(gguf_tensor: str, shape: tuple[int, ...], gguf_type: str, n_laye
         chosen = TYPES["Q8_0"] if cols % default.block else (default if default.name == "Q8_0" else TYPES["Q6_K"])
     elif gguf_type in MIXES and gguf_tensor.endswith(("attn_v.weight", "ffn_down.weight")) and use_more_bits(i, n_layers):
         chosen = TYPES["Q6_K"]
+    elif (calibrated and gguf_type in IMATRIX_EARLY_FFN_DOWN and gguf_tensor.endswith("ffn_down.weight")
+          and i < n_layers // 8):
+        chosen = TYPES[IMATRIX_EARLY_FFN_DOWN[gguf_type]]
     return fallback(chosen, cols)
 
 
-def plan_model(state_shapes: dict[str, tuple[int, ...]], config, gguf_type: str) -> list[PlannedTensor]:
-    """Every tensor of the GGUF file in llama.cpp's order (token_embd, blocks, output_norm, output)."""
+def plan_model(state_shapes: dict[str, tuple[int, ...]], config, gguf_type: str,
+               calibrated: bool = False) -> list[PlannedTensor]:
+    """Every tensor of the GGUF file in llama.cpp's order (token_embd, blocks, output_norm, output);
+    `calibrated`: the types llama-quantize picks when it has an importance matrix."""
     gguf_architecture(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     n_layers = int(config.num_hidden_layers)
@@ -113,7 +125,8 @@ def plan_model(state_shapes: dict[str, tuple[int, ...]], config, gguf_type: str)
                 continue
             raise QuantkitError(f"GGUF export does not know where the tensor {hf} goes; it supports plain Llama models")
         permute = heads if name.endswith("attn_q.weight") else kv_heads if name.endswith("attn_k.weight") else None
-        out.append(PlannedTensor(hf, name, tuple(shape), tensor_type(name, shape, gguf_type, n_layers, tied), permute))
+        ggml = tensor_type(name, shape, gguf_type, n_layers, tied, calibrated)
+        out.append(PlannedTensor(hf, name, tuple(shape), ggml, permute))
     order = {"token_embd.weight": (-1, 0), "output_norm.weight": (n_layers, 0), "output.weight": (n_layers, 1)}
     layer_order = list(LLAMA_LAYER.values())
 

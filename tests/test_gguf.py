@@ -192,6 +192,16 @@ def test_mix_plan_matches_llama_quantize_on_the_demo_shapes():
         assert types[f"blk.{i}.attn_norm.weight"] == "F32"
     q40 = {p.gguf_name: p.type.name for p in plan_model(shapes, config, "Q4_0")}
     assert q40["token_embd.weight"] == "Q8_0" and q40["blk.3.attn_v.weight"] == "Q4_0"
+    assert {q40[f"blk.{i}.ffn_down.weight"] for i in range(30)} == {"Q4_0"}
+    # with an importance matrix (a calibrated run) llama-quantize puts ffn_down of the first n/8 layers
+    # (30 // 8 = 3) in Q4_1 (Q5_0 files: Q5_1); the k-quant mixes do not change
+    cal = {p.gguf_name: p.type.name for p in plan_model(shapes, config, "Q4_0", calibrated=True)}
+    assert [cal[f"blk.{i}.ffn_down.weight"] for i in range(5)] == ["Q4_1"] * 3 + ["Q4_0"] * 2
+    assert {k: v for k, v in cal.items() if "ffn_down" not in k} == {k: v for k, v in q40.items()
+                                                                     if "ffn_down" not in k}
+    cal50 = {p.gguf_name: p.type.name for p in plan_model(shapes, config, "Q5_0", calibrated=True)}
+    assert cal50["blk.2.ffn_down.weight"] == "Q5_1" and cal50["blk.3.ffn_down.weight"] == "Q5_0"
+    assert {p.gguf_name: p.type.name for p in plan_model(shapes, config, "Q4_K_M", calibrated=True)} == types
 
 
 # ------------------------------------------------------------------ written files
