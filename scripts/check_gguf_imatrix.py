@@ -47,8 +47,7 @@ def main() -> None:
 
     def decoded(w: torch.Tensor, t, importance) -> torch.Tensor:
         p = choose_grid(w, t, importance)
-        offset = 0 if p.offset is None else p.per_column(p.offset)
-        return p.per_column(p.scale) * (round_to_grid(w, p).float() - p.per_column(p.zero)) + offset
+        return p.on_grid(round_to_grid(w, p)).dequantize()
 
     print("| llama.cpp file | tensor type | tensors | identical values | weighted sq. error quantkit | llama.cpp | "
           "llama.cpp without imatrix |")

@@ -37,7 +37,7 @@ def main() -> None:
     from quantkit import data
     from quantkit.assets import demo_model_dir
     from quantkit.runtime.loader import load_tokenizer
-    from quantkit.scoring import windows_of
+    from quantkit.scoring import Comparison, windows_of
 
     original = args.original or str(demo_model_dir())
     tok = load_tokenizer(original)
@@ -53,11 +53,12 @@ def main() -> None:
         right = ref.argmax(-1) == target
         unlikely = ref_nll > math.log(100)
         for name, lp in [("original", ref)] + [(m, log_probs(m, windows, None)) for m in args.models]:
-            nll = -lp.gather(1, target[:, None]).squeeze(1)
-            d = nll - ref_nll
+            d = -lp.gather(1, target[:, None]).squeeze(1) - ref_nll
             entropy = float(-(lp.exp() * lp).sum(-1).mean())
-            kl = float((ref.exp() * (ref - lp)).sum(-1).mean())
-            ppl = math.exp(float(nll.mean()))
+            scores = Comparison()
+            scores.add(lp, ref, target)
+            summary = scores.summary()
+            kl, ppl = summary["kl_mean"], summary["perplexity"]
             print(f"| {dataset} | {name} | {target.numel()} | {entropy:.3f} | {kl:.4f} | {ppl:.2f} | "
                   f"{float(d.mean()):+.4f} | {float(d[right].mean()):+.4f} (n={int(right.sum())}) | "
                   f"{float(d[~right].mean()):+.4f} | {float(d[unlikely].mean()):+.4f} (n={int(unlikely.sum())}) |")

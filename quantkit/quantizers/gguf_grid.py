@@ -26,7 +26,7 @@ import torch
 
 from quantkit.ggml_types import QK_K, GGMLType
 from quantkit.qtensor import QuantizedWeight, TwoLevelScales
-from quantkit.quantizers.ggml_search import make_qkx_quants, make_qp_quants, make_qx_quants
+from quantkit.quantizers.ggml_search import GROUP_MAX_EPS, make_qkx_quants, make_qp_quants, make_qx_quants
 
 F16_TINY = 2.0 ** -24  # smallest positive fp16 (subnormal)
 
@@ -149,7 +149,7 @@ def _two_level_grid(w: torch.Tensor, t: GGMLType, importance: Optional[torch.Ten
     scales = make_qx_quants(sub, 32, None if importance is None else imp).view(n, n_super, -1)
     idx = scales.abs().argmax(-1, keepdim=True)
     max_scale = scales.gather(-1, idx)
-    iscale = torch.where(max_scale.abs() < 1e-15, torch.zeros_like(max_scale), -128.0 / max_scale)
+    iscale = torch.where(max_scale.abs() < GROUP_MAX_EPS, torch.zeros_like(max_scale), -128.0 / max_scale)
     d = _nonzero_f16(torch.where(iscale == 0, torch.zeros_like(iscale), 1.0 / iscale)).squeeze(-1)
     sc = torch.round(iscale * scales).clamp_(max=127)
     sc = torch.where(sc == 0, torch.ones_like(sc), sc).to(torch.int16)
@@ -159,13 +159,9 @@ def _two_level_grid(w: torch.Tensor, t: GGMLType, importance: Optional[torch.Ten
 
 def _weighted_sub_scales(values: torch.Tensor, sw: torch.Tensor, top: int, allow_zero: bool = False):
     """Per super-block (rows of `values`): fp16 d and integer sub-scales in [0, top] by make_qp_quants
-    under the sub-blocks' summed importance `sw`; zeros as in `_sub_scales`."""
+    under the sub-blocks' summed importance `sw`, stored as `_stored_sub_scales` does."""
     d, q = make_qp_quants(values, top, sw)
-    d = d.to(torch.float16).float()
-    if not allow_zero:
-        q = torch.where(q == 0, torch.ones_like(q), q)
-        d = torch.where(d == 0, torch.full_like(d, F16_TINY), d)
-    return d, q.to(torch.int16)
+    return _stored_sub_scales(d, q, allow_zero)
 
 
 def _sub_scales(values: torch.Tensor, top: int, allow_zero: bool = False):
@@ -174,7 +170,13 @@ def _sub_scales(values: torch.Tensor, top: int, allow_zero: bool = False):
     vmax = values.amax(-1).clamp(min=0)
     inv = torch.where(vmax > 0, top / vmax, torch.zeros_like(vmax))
     q = torch.round(inv.unsqueeze(-1) * values).clamp_(0, top)
-    d = (vmax / top).to(torch.float16).float()
+    return _stored_sub_scales(vmax / top, q, allow_zero)
+
+
+def _stored_sub_scales(d: torch.Tensor, q: torch.Tensor, allow_zero: bool):
+    """d as the fp16 value the file stores and q as int16; unless `allow_zero`, a 0 becomes the
+    smallest usable value (d: F16_TINY, q: 1) so every group keeps a step."""
+    d = d.to(torch.float16).float()
     if not allow_zero:
         q = torch.where(q == 0, torch.ones_like(q), q)
         d = torch.where(d == 0, torch.full_like(d, F16_TINY), d)
