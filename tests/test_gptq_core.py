@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from quantkit.quantizers import grid as grid_module
 from quantkit.quantizers.grid import compute_qparams, fake_quantize, max_code, rtn_quantize
 from quantkit.quantizers.gptq import GPTQQuantizer
 from quantkit.quantizers.gptq_core import (
@@ -172,10 +173,14 @@ def test_mse_search_matches_plain_and_reference_loop():
         assert bool((s <= plain_s).all()) and bool((s < plain_s).any())
 
 
-def test_coarse_to_fine_mse_search_is_the_two_step_loop():
+@pytest.mark.parametrize("chunk_bytes", [None, 4 * 20 * 32 * 7])
+def test_coarse_to_fine_mse_search_is_the_two_step_loop(chunk_bytes, monkeypatch):
     """The default search (every 4th shrink index, then the 3 on each side of the best): per row,
     the lowest error of exactly those trials, found here by a plain loop; never better than the
-    exhaustive search, and on these rows within 1 % of it in total."""
+    exhaustive search, and on these rows within 1 % of it in total. Also with the rows evaluated
+    7 at a time (a ragged last chunk), as large matrices are."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(grid_module, "SHRINK_CHUNK_BYTES", chunk_bytes)
     x = layer(200, 32, seed=6)
     for bits, sym in [(4, False), (4, True), (3, True)]:
         def err_at(i):
