@@ -76,7 +76,7 @@ def cli():
 @click.option("--static-groups/--no-static-groups", default=None,
               help="GPTQ: group scales computed up front, keeping act-order's g_idx trivial (default on).")
 @click.option("--mse/--no-mse", default=None,
-              help="GPTQ: each group's range shrunk to its lowest rounding error (default on); RTN: the same, off by default.")
+              help="GPTQ and RTN: each group's range shrunk to its lowest rounding error (default on).")
 @click.option("--moe-calibration", type=click.Choice(["routed", "all"]), default=None,
               help="MoE models: calibrate each expert on the tokens routed to it (routed, the default) or on every "
                    "token (all; the block's output stays the routed one).")

@@ -25,7 +25,7 @@ import torch
 # label -> (method, options, scheme overrides, calibration overrides)
 VARIANTS = {
     "rtn": ("rtn", {}, {}, {}),
-    "rtn-mse": ("rtn", {"mse": True}, {}, {}),
+    "rtn-no-mse": ("rtn", {"mse": False}, {}, {}),
     "gptq": ("gptq", {}, {}, {}),
     "gptq-no-act-order": ("gptq", {"desc_act": False, "static_groups": False}, {}, {}),
     "gptq-no-mse": ("gptq", {"mse": False}, {}, {}),

@@ -39,6 +39,8 @@ ASYM_QUANTKIT_ROWS = {"gptq asym": ["--method", "gptq", "--asym"], "awq asym": [
 PEER_ROWS = {
     "llmc gptq": ("llm-compressor", "llmcompressor_peer.py", "gptq", ["--actorder", "default", "--sym"]),
     "llmc rtn": ("llm-compressor", "llmcompressor_peer.py", "rtn", ["--sym"]),
+    # its RTN with its own range search (quantkit's RTN searches each group's range by default)
+    "llmc rtn mse": ("llm-compressor", "llmcompressor_peer.py", "rtn", ["--sym", "--observer", "memoryless_mse"]),
     "gptqmodel gptq": ("gptqmodel", "gptqmodel_peer.py", "gptq", ["--sym"]),
     "gptqmodel awq": ("gptqmodel", "gptqmodel_peer.py", "awq", ["--sym"]),
 }

@@ -15,7 +15,9 @@ Schemes (matching quantkit's method defaults unless a flag says otherwise):
                llm-compressor: its GPTQModifier defaults to "static", alias "weight"), or "static"/"weight"
   awq          AWQModifier (duo scaling, n_grid 20; llm-compressor's AWQ has no clipping search)
                + QuantizationModifier, int W{bits} group, asymmetric unless --sym
-  rtn          QuantizationModifier, int W{bits} group (memoryless min-max observer), symmetric unless --asym
+  rtn          QuantizationModifier, int W{bits} group, symmetric unless --asym; its default observer
+               (memoryless min-max) unless --observer names another (e.g. memoryless_mse: its range
+               search, shrinking each group's range by up to 20 %, error norm 2.4)
   smoothquant  SmoothQuantModifier(0.5) + QuantizationModifier W8A8: int8 symmetric per-channel
                weights, int8 dynamic per-token symmetric activations
 
@@ -47,8 +49,10 @@ from pathlib import Path
 from peer_common import load_calibration_ids, peak_rss_mb
 
 
-def weight_args(bits: int, group_size: int, symmetric: bool) -> dict:
+def weight_args(bits: int, group_size: int, symmetric: bool, observer: str | None = None) -> dict:
     args = {"num_bits": bits, "type": "int", "symmetric": symmetric, "dynamic": False}
+    if observer is not None:
+        args["observer"] = observer
     if group_size == -1:
         args["strategy"] = "channel"
     else:
@@ -59,7 +63,8 @@ def weight_args(bits: int, group_size: int, symmetric: bool) -> dict:
 ACTORDER_CHOICES = ("default", "none", "static", "weight")
 
 
-def build_recipe(method: str, bits: int, group_size: int, symmetric: bool, actorder: str = "none"):
+def build_recipe(method: str, bits: int, group_size: int, symmetric: bool, actorder: str = "none",
+                 observer: str | None = None):
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     ignore = ["lm_head"]
@@ -81,7 +86,7 @@ def build_recipe(method: str, bits: int, group_size: int, symmetric: bool, actor
         return [AWQModifier(duo_scaling=True, n_grid=20, offload_device=None),
                 QuantizationModifier(config_groups=groups, ignore=ignore)]
     if method == "rtn":
-        groups = {"group_0": {"targets": ["Linear"], "weights": weight_args(bits, group_size, symmetric)}}
+        groups = {"group_0": {"targets": ["Linear"], "weights": weight_args(bits, group_size, symmetric, observer)}}
         return [QuantizationModifier(config_groups=groups, ignore=ignore)]
     if method == "smoothquant":
         from llmcompressor.modifiers.transform import SmoothQuantModifier
@@ -131,6 +136,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1, help="oneshot calibration batch size (llm-compressor's default 1)")
     ap.add_argument("--actorder", choices=ACTORDER_CHOICES, default="none",
                     help='gptq only: "default" leaves it to llm-compressor (static); default here: none')
+    ap.add_argument("--observer", default=None,
+                    help="rtn only: llm-compressor's weight observer by its registered name (default: its own default)")
     sym = ap.add_mutually_exclusive_group()
     sym.add_argument("--sym", dest="sym", action="store_true", default=None, help="symmetric weights")
     sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric weights (zero point)")
@@ -141,6 +148,8 @@ def main() -> None:
         raise SystemExit("--asym: smoothquant's W8A8 scheme here is symmetric only")
     if args.actorder != "none" and args.method != "gptq":
         raise SystemExit(f"--actorder applies to --method gptq only, not {args.method}")
+    if args.observer is not None and args.method != "rtn":
+        raise SystemExit(f"--observer applies to --method rtn only, not {args.method}")
 
     import torch
     from datasets import Dataset
@@ -159,7 +168,7 @@ def main() -> None:
     model.eval()
     workarounds = disable_pinning_without_accelerator() if args.method == "awq" else []
 
-    recipe = build_recipe(args.method, args.bits, args.group_size, args.sym, args.actorder)
+    recipe = build_recipe(args.method, args.bits, args.group_size, args.sym, args.actorder, args.observer)
     t0 = time.perf_counter()
     oneshot(model=model, tokenizer=tokenizer, recipe=recipe, dataset=ds, num_calibration_samples=num_samples,
             max_seq_length=seq_len, batch_size=args.batch_size, shuffle_calibration_samples=False)

@@ -62,15 +62,15 @@ def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits
 def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool,
                  bias: torch.Tensor | None = None, mse: bool = False) -> QuantizedWeight:
     """Round-to-nearest with per-group min/max ranges (with `mse`, each group's range shrunk to the
-    one with the lowest rounding error, `find_qparams`); vectorised over all groups at once."""
+    one with the lowest rounding error by `find_qparams`' coarse-to-fine search, as GPTQ's static
+    groups are); vectorised over all groups at once."""
     n, k = weight.shape
     gs = k if group_size == -1 else group_size
     if k % gs:
         raise ValueError(f"group size {gs} does not divide in_features {k}")
     groups = k // gs
     w = weight.float().reshape(n * groups, gs)
-    # the exhaustive search: one call over the whole matrix is a small part of an RTN run
-    scale, zero = find_qparams(w, bits, sym, mse, coarse_step=1)
+    scale, zero = find_qparams(w, bits, sym, mse)
     q = quantize_codes(w, scale, zero, bits).reshape(n, k)
     return QuantizedWeight(
         qweight=q.to(torch.uint8),
