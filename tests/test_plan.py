@@ -73,3 +73,18 @@ def test_cli_option_reaches_the_step_as_a_float(tiny_llama_dir, tmp_path):
     import json
 
     assert json.loads((out / "config.json").read_text())["quantization_config"]["damp_percent"] == 0.01
+
+
+def test_rtn_searches_its_ranges_but_a_transform_is_finished_on_the_plain_grid():
+    """A bare --method rtn searches each group's range (the default, README); awq and smoothquant,
+    whose own searches simulate plain min/max rounding, are finished by RTN on that same grid unless
+    the option is given."""
+    from quantkit.quantizers.recipe import Recipe, build_recipe
+    from quantkit.quantizers.base import get_quantizer
+
+    assert resolve_plan(method="rtn").recipe.quantizer.options["mse"] is True
+    for method in ("awq", "smoothquant"):
+        recipe = resolve_plan(method=method).recipe
+        assert recipe.quantizer.name == "rtn" and recipe.quantizer.options["mse"] is False, method
+    assert build_recipe("awq", {"mse": True}).quantizer.options["mse"] is True
+    assert Recipe.of(get_quantizer("awq")).quantizer.options["mse"] is False

@@ -19,6 +19,12 @@ from quantkit.quantizers.base import LayerContext, Quantizer, Step, Transform, s
 from quantkit.scheme import LinearScheme
 
 
+# options of the round-to-nearest step that finishes a transform alone (awq, smoothquant): their
+# searches (AWQ's scales and clipping, SmoothQuant's smoothing) simulate plain min/max rounding, so the
+# weights are finished on that same grid; an option the user gives for the step still wins
+FINISHING_RTN_OPTIONS = {"mse": False}
+
+
 class Recipe:
     """An ordered, validated list of steps: transforms first, one weight quantizer last."""
 
@@ -43,7 +49,7 @@ class Recipe:
         if isinstance(method, type) and issubclass(method, Step):
             method = method()
         if isinstance(method, Transform):
-            return cls([method, step_class("rtn")()])
+            return cls([method, step_class("rtn")(**FINISHING_RTN_OPTIONS)])
         if isinstance(method, Quantizer):
             return cls([method])
         raise QuantkitError(f"a method is a name, a recipe or a Step instance, got {type(method).__name__}")
@@ -179,7 +185,8 @@ def build_recipe(method: Union[str, Iterable[str], Recipe, Step, type], options:
     classes = [step_class(n) for n in parse_method(method)]
     if len({c.name for c in classes}) != len(classes):
         raise QuantkitError(f"method {method!r} names a step twice")
-    if classes[-1].kind == "transform":
+    finishing = classes[-1].kind == "transform"
+    if finishing:
         classes.append(step_class("rtn"))
     owners: dict[str, list[str]] = {}
     for c in classes:
@@ -194,4 +201,7 @@ def build_recipe(method: Union[str, Iterable[str], Recipe, Step, type], options:
     if shared:
         raise QuantkitError(f"option {shared[0]!r} belongs to several steps ({', '.join(owners[shared[0]])}), "
                             "so it cannot say which one it sets; pass ready Step instances instead")
-    return Recipe([c(**{k: v for k, v in options.items() if owners[k] == [c.name]}) for c in classes])
+    chosen = [{k: v for k, v in options.items() if owners[k] == [c.name]} for c in classes]
+    if finishing:
+        chosen[-1] = {**FINISHING_RTN_OPTIONS, **chosen[-1]}
+    return Recipe([c(**o) for c, o in zip(classes, chosen)])
