@@ -36,6 +36,10 @@ VARIANTS = {
     "gptaq-mse": ("gptq", {"gptaq": True, "mse": True}, {}, {}),
     "awq": ("awq", {}, {}, {}),
     "awq-full-grid": ("awq", {"full_grid": True}, {}, {}),
+    "awq-mse": ("awq", {"mse": True}, {}, {}),  # the finishing RTN also searches each group's range
+    # the scale and clip searches on 8x / 4x larger token samples than the defaults
+    "awq-large-sample": ("awq", {"token_search_tokens": 8192, "max_search_tokens": 8192, "clip_search_tokens": 2048},
+                         {}, {}),
     "awq-gptq": ("awq,gptq", {}, {}, {}),
 }
 

@@ -474,9 +474,27 @@ def test_awq_config_round_trip_and_rejections():
     assert awq.parse_quantization_config(cfg, NAMES, SHAPES) == want
     with pytest.raises(QuantkitError, match="one scheme"):
         awq.quantization_config(specs(override=(4, 64, False, "none")), [], {})
-    for bad in ({**cfg, "version": "gemv"}, {**cfg, "zero_point": False}, {**cfg, "bits": 8}):
+    for bad in ({**cfg, "version": "gemv"}, {**cfg, "bits": 8}):
         with pytest.raises(QuantkitError):
             awq.parse_quantization_config(bad, NAMES, SHAPES)
+    # zero_point false (GPTQModel's symmetric AWQ GEMM): the same layout, read as symmetric
+    assert awq.parse_quantization_config({**cfg, "zero_point": False}, NAMES, SHAPES) == specs(bits=4, gs=128, sym=True)
+
+
+def test_awq_zero_point_false_reads_its_stored_zeros_of_8_as_symmetric():
+    """A symmetric weight packed with zeros of 8 (as GPTQModel writes zero_point false) unpacks to the
+    same codes and dequantized values under a symmetric spec; a stored zero other than 8 is refused,
+    since the config's zero_point false would then misdescribe the file."""
+    qw = make_qw(96, 256, 4, 64, True, seed=5)
+    assert bool((qw.zeros == 8).all())
+    t = awq.pack(qw)
+    back = awq.unpack(t, spec_of(qw))
+    assert back.sym and torch.equal(back.qweight, qw.qweight)
+    assert torch.equal(back.dequantize(), ((qw.qweight.float() - 8) * qw.scales.repeat_interleave(64, 1)))
+    asym = make_qw(96, 256, 4, 64, False, seed=5)
+    assert bool((asym.zeros != 8).any())
+    with pytest.raises(QuantkitError, match="zero_point false"):
+        awq.unpack(awq.pack(asym), spec_of(qw))
 
 
 def test_registry():

@@ -6,6 +6,8 @@
     scales  fp16  [G, N]
 No g_idx, so dynamic act-order cannot be stored; 4-bit only. The file always carries zeros
 (config zero_point true), so a symmetric weight is stored as zeros of 8 and reads back as asymmetric.
+A file whose config says zero_point false (GPTQModel's symmetric AWQ) still carries qzeros, all 8
+(GEMM kernels always read them): it loads as symmetric once every stored zero is checked to be 8.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from quantkit.formats.spec import LinearSpec
 from quantkit.qtensor import QuantizedWeight
 
 NAME = "awq"
+SYMMETRIC_ZERO = 8  # the zero a symmetric 4-bit grid stores: codes 0..15 around 2**(4-1)
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
@@ -74,6 +77,9 @@ def unpack(tensors: dict[str, torch.Tensor], spec: LinearSpec) -> QuantizedWeigh
     inverse = torch.argsort(_interleave(n))
     codes = bitpack.unpack(qweight.cpu(), 4, n, dim=1)[:, inverse]
     zeros = bitpack.unpack(qzeros.cpu(), 4, n, dim=1)[:, inverse]
+    if spec.sym and not bool((zeros == SYMMETRIC_ZERO).all()):
+        raise QuantkitError(f"awq: the config says zero_point false (symmetric) but qzeros holds values other "
+                            f"than {SYMMETRIC_ZERO}; fix the checkpoint's config.json to zero_point true")
     return QuantizedWeight(
         qweight=codes.t().contiguous(),
         scales=scales.cpu().float().t().contiguous(),
@@ -110,8 +116,7 @@ def parse_quantization_config(qcfg: dict, linear_names: list[str],
     version = str(qcfg.get("version", "gemm")).lower()
     if version != "gemm":
         raise QuantkitError(f"awq: version {version!r} is not supported (only 'gemm')")
-    if not qcfg.get("zero_point", True):
-        raise QuantkitError("awq: zero_point false is not supported (the GEMM layout always stores zeros)")
+    sym = not qcfg.get("zero_point", True)  # symmetric: the stored zeros must all be 8 (checked in unpack)
     bits = qcfg.get("bits", qcfg.get("w_bit"))
     group_size = qcfg.get("group_size", qcfg.get("q_group_size"))
     if bits != 4 or not isinstance(group_size, int):
@@ -124,7 +129,7 @@ def parse_quantization_config(qcfg: dict, linear_names: list[str],
         if name == "lm_head" or name.endswith(".lm_head") or any(s in name for s in skip):
             continue
         out_f, in_f = linear_shapes[name]
-        spec = LinearSpec(out_features=out_f, in_features=in_f, bits=4, group_size=group_size, sym=False)
+        spec = LinearSpec(out_features=out_f, in_features=in_f, bits=4, group_size=group_size, sym=sym)
         _check_spec(spec)
         out[name] = spec
     return out
