@@ -26,6 +26,7 @@ import torch
 VARIANTS = {
     "rtn": ("rtn", {}, {}, {}),
     "rtn-no-mse": ("rtn", {"mse": False}, {}, {}),
+    "rtn-exact": ("rtn", {"sym_range": "exact"}, {}, {}),  # AutoAWQ's symmetric grid (absmax/7), range search on
     "gptq": ("gptq", {}, {}, {}),
     "gptq-no-act-order": ("gptq", {"desc_act": False, "static_groups": False}, {}, {}),
     "gptq-no-mse": ("gptq", {"mse": False}, {}, {}),
@@ -35,6 +36,7 @@ VARIANTS = {
     "gptaq": ("gptq", {"gptaq": True}, {}, {}),
     "gptaq-mse": ("gptq", {"gptaq": True, "mse": True}, {}, {}),
     "awq": ("awq", {}, {}, {}),
+    "awq-centred": ("awq", {"sym_range": "centred"}, {}, {}),  # GPTQ's symmetric grid (absmax/7.5) instead of AutoAWQ's
     "awq-full-grid": ("awq", {"full_grid": True}, {}, {}),
     "awq-mse": ("awq", {"mse": True}, {}, {}),  # the finishing RTN also searches each group's range
     # the scale and clip searches on 8x / 4x larger token samples than the defaults

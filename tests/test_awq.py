@@ -89,8 +89,10 @@ def rel_err(a, b):
 
 # ------------------------------------------------------------- a plain RTN, written out again
 
-def plain_fake_quant(w, bits, group_size, sym):
-    """Round-to-nearest per group, GPTQ's grid: range widened to include 0, fp16 scales."""
+def plain_fake_quant(w, bits, group_size, sym, sym_range="exact"):
+    """Round-to-nearest per group, fp16 scales. Asymmetric: GPTQ's grid (range widened to include 0).
+    Symmetric "exact" (AWQ's default): AutoAWQ's pseudo_quantize_tensor, scale = absmax/(2^(b-1) - 1),
+    signed codes clamped to [-2^(b-1), 2^(b-1) - 1]; "centred": GPTQ's scale = 2*absmax/(2^b - 1)."""
     n, k = w.shape
     gs = k if group_size == -1 else group_size
     out = torch.empty_like(w)
@@ -101,14 +103,17 @@ def plain_fake_quant(w, bits, group_size, sym):
         lo = wg.min(dim=1).values.clamp(max=0)
         hi = wg.max(dim=1).values.clamp(min=0)
         if sym:
-            scale = 2 * torch.maximum(lo.abs(), hi) / maxq
-            zero = torch.full_like(scale, (maxq + 1) // 2)
+            absmax = torch.maximum(lo.abs(), hi)
+            scale = absmax / (2 ** (bits - 1) - 1) if sym_range == "exact" else 2 * absmax / maxq
         else:
             scale = (hi - lo) / maxq
         scale = torch.where(scale > torch.finfo(torch.float16).tiny, scale, torch.ones_like(scale))
         scale = scale.half().float()
-        if not sym:
-            zero = (-lo / scale).round().clamp(0, maxq)
+        if sym and sym_range == "exact":  # AutoAWQ's signed form
+            q = (wg / scale[:, None]).round().clamp(-2 ** (bits - 1), 2 ** (bits - 1) - 1)
+            out[:, cols] = q * scale[:, None]
+            continue
+        zero = torch.full_like(scale, (maxq + 1) // 2) if sym else (-lo / scale).round().clamp(0, maxq)
         q = (wg / scale[:, None]).round().add(zero[:, None]).clamp(0, maxq)
         out[:, cols] = (q - zero[:, None]) * scale[:, None]
     return out
@@ -167,9 +172,10 @@ def test_token_subsample_and_ignored_linears():
 
 # ------------------------------------------------------------- alpha is the grid argmin
 
-@pytest.mark.parametrize("duo,sym,token_sample", [(True, False, 0), (False, True, 0), (True, False, 7)])
+@pytest.mark.parametrize("duo,sym,token_sample,sym_range", [(True, False, 0, "exact"), (False, True, 0, "exact"),
+                                                             (False, True, 0, "centred"), (True, False, 7, "exact")])
 @pytest.mark.parametrize("prev", ["post_attention_layernorm", "input_layernorm", "self_attn.v_proj", "mlp.up_proj"])
-def test_chosen_alpha_is_grid_argmin(prev, duo, sym, token_sample):
+def test_chosen_alpha_is_grid_argmin(prev, duo, sym, token_sample, sym_range):
     """Losses recomputed by running the untouched inspect module: on every token, or (token-wise
     blocks: the MLP, a linear, whose loss the quantizer takes from a Gram matrix) on every
     (96 // token_sample)-th token of the whole calibration set."""
@@ -178,7 +184,8 @@ def test_chosen_alpha_is_grid_argmin(prev, duo, sym, token_sample):
     layer = adapter.decoder_layers(model)[0]
     original = copy.deepcopy(layer)
     ids = calib_ids()
-    q = AWQTransform(clip=False, duo_scaling=duo, max_search_tokens=0, token_search_tokens=token_sample)
+    q = AWQTransform(clip=False, duo_scaling=duo, max_search_tokens=0, token_search_tokens=token_sample,
+                     sym_range=sym_range)
     ctx = transform_only(model, q, ids, schemes_for(model, sym=sym), stop_after=0)
     rec = next(g for g in q.search_log[0]["groups"] if g["prev"] == prev)
     group = next(g for g in adapter.input_groups(original) if g.prev == prev)
@@ -227,7 +234,7 @@ def test_chosen_alpha_is_grid_argmin(prev, duo, sym, token_sample):
         s = s.clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
         for m, w0 in zip(linears, saved):
-            m.weight.data = plain_fake_quant(w0 * s, 4, 32, sym) / s
+            m.weight.data = plain_fake_quant(w0 * s, 4, 32, sym, sym_range) / s
         losses.append(((run() - ref) ** 2).mean().item())
         for m, w0 in zip(linears, saved):
             m.weight.data = w0
@@ -244,12 +251,12 @@ def outlier_data(n=24, k=64, t=300, seed=0):
     return w, x
 
 
-@pytest.mark.parametrize("sym", [False, True])
-def test_clip_ratio_is_grid_argmin(sym):
+@pytest.mark.parametrize("sym,sym_range", [(False, "exact"), (True, "exact"), (True, "centred")])
+def test_clip_ratio_is_grid_argmin(sym, sym_range):
     torch.manual_seed(0)
     w, x = outlier_data()
     scheme = LinearScheme(bits=4, group_size=32, sym=sym)
-    ratios = search_clip(w, x, scheme, n_grid=20, max_shrink=0.5)
+    ratios = search_clip(w, x, scheme, n_grid=20, max_shrink=0.5, sym_range=sym_range)
     grid = [1 - i / 20 for i in range(10)]
     n, k = w.shape
     exact = 0
@@ -263,7 +270,7 @@ def test_clip_ratio_is_grid_argmin(sym):
                 lo = -hi
             errs = []
             for r in grid:
-                q = plain_fake_quant(wg.clamp(lo * r, hi * r), 4, 32, sym)
+                q = plain_fake_quant(wg.clamp(lo * r, hi * r), 4, 32, sym, sym_range)
                 errs.append(((x[:, cols] @ (q - wg).t()) ** 2).mean().item())
             chosen = ratios[row, g].item()
             best = min(errs)
@@ -420,3 +427,29 @@ def test_full_grid_also_tries_no_scaling_and_alpha_one(tiny_llama_dir):
         assert group["alpha"] == [None, 0.0, 0.25, 0.5, 0.75, 1.0][best]
         if group["alpha"] is None:
             assert torch.equal(group["scales"], torch.ones_like(group["scales"]))
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_exact_symmetric_grid_is_autoawq_pseudo_quantize(bits):
+    """rtn_quantize with sym_range "exact" (AWQ's finishing grid) dequantizes to AutoAWQ's
+    pseudo_quantize_tensor (the independent loop above), puts each group's absmax on a code exactly
+    and never uses the lowest code; "centred" (GPTQ's grid) rounds each group's absmax by half a step."""
+    from quantkit.quantizers.grid import rtn_quantize
+
+    torch.manual_seed(bits)
+    w = torch.randn(24, 128) * (0.5 + torch.rand(24, 1))  # no group below fp16's tiny scale
+    qw = rtn_quantize(w, bits, 32, True, sym_range="exact")
+    deq = (qw.qweight.float() - qw.zeros.float().repeat_interleave(32, 1)) * qw.scales.float().repeat_interleave(32, 1)
+    torch.testing.assert_close(deq, plain_fake_quant(w, bits, 32, True, "exact"), rtol=0, atol=0)
+    absmax = w.reshape(24, 4, 32).abs().amax(dim=2)
+    top = (2 ** (bits - 1) - 1)
+    torch.testing.assert_close(deq.reshape(24, 4, 32).abs().amax(dim=2), qw.scales.float() * top, rtol=0, atol=0)
+    assert ((deq.reshape(24, 4, 32).abs().amax(dim=2) - absmax).abs() <= absmax * 1e-3).all()  # fp16 scale only
+    assert int(qw.qweight.min()) >= 1  # code 0 (-2^(b-1)) unused
+    centred = rtn_quantize(w, bits, 32, True, sym_range="centred")
+    step = centred.scales.float().repeat_interleave(32, 1)
+    cdeq = (centred.qweight.float() - centred.zeros.float().repeat_interleave(32, 1)) * step
+    torch.testing.assert_close(cdeq, plain_fake_quant(w, bits, 32, True, "centred"), rtol=0, atol=0)
+    at_max = w.abs() == absmax.repeat_interleave(32, 1)
+    # half a step, up to the fp16 rounding of the scale (absmax/scale = 2^(b-1) - 1/2 within 2^-11 relative)
+    assert torch.allclose((cdeq - w)[at_max].abs(), step[at_max] / 2, rtol=2 ** -11 * 2 ** bits)

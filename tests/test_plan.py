@@ -88,3 +88,24 @@ def test_rtn_searches_its_ranges_but_a_transform_is_finished_on_the_plain_grid()
         assert recipe.quantizer.name == "rtn" and recipe.quantizer.options["mse"] is False, method
     assert build_recipe("awq", {"mse": True}).quantizer.options["mse"] is True
     assert Recipe.of(get_quantizer("awq")).quantizer.options["mse"] is False
+
+
+def test_awq_is_finished_on_the_symmetric_grid_its_search_simulates():
+    """AWQ's searches simulate AutoAWQ's symmetric grid (sym_range "exact"); its finishing RTN rounds on
+    that grid, and a user's sym_range reaches both (it is AWQ's option: no 'belongs to several steps')."""
+    from quantkit.quantizers.base import get_quantizer
+    from quantkit.quantizers.recipe import Recipe, build_recipe
+
+    assert resolve_plan(method="rtn").recipe.quantizer.options["sym_range"] == "centred"
+    assert resolve_plan(method="smoothquant").recipe.quantizer.options["sym_range"] == "centred"
+    awq = resolve_plan(method="awq").recipe
+    assert awq.transforms[0].options["sym_range"] == "exact" == awq.quantizer.options["sym_range"]
+    assert Recipe.of(get_quantizer("awq")).quantizer.options["sym_range"] == "exact"
+    centred = build_recipe("awq", {"sym_range": "centred"})
+    assert centred.transforms[0].options["sym_range"] == "centred" == centred.quantizer.options["sym_range"]
+    # in awq,gptq the option is AWQ's alone (GPTQ keeps its own grid)
+    assert build_recipe("awq,gptq", {"sym_range": "centred"}).transforms[0].options["sym_range"] == "centred"
+    with pytest.raises(QuantkitError, match="sym_range must be one of centred, exact"):
+        build_recipe("awq", {"sym_range": "half"})
+    with pytest.raises(QuantkitError, match="sym_range must be one of centred, exact"):
+        build_recipe("rtn", {"sym_range": "half"})

@@ -45,7 +45,7 @@ from quantkit.errors import QuantkitError
 from quantkit.models.folding import fold_scales
 from quantkit.layer_io import batch_shapes, layer_output, slice_rows
 from quantkit.quantizers.base import LayerContext, Transform, register_step
-from quantkit.quantizers.grid import fake_quantize_grouped
+from quantkit.quantizers.grid import SYM_RANGES, fake_quantize_grouped
 from quantkit.reduction import LocalComm, RowSum, SampleLayout
 from quantkit.scheme import LinearScheme
 
@@ -113,7 +113,7 @@ def clip_weight(w: torch.Tensor, ratios: torch.Tensor, group_size: int, sym: boo
 
 @torch.no_grad()
 def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: LinearScheme, n_grid: int = 20, max_shrink: float = 0.5,
-                return_errors: bool = False):
+                return_errors: bool = False, sym_range: str = "exact"):
     """Best clip ratio per (output row, group) of ``w`` [N, K] for inputs ``x`` [T, K].
 
     The error of a ratio is mean over tokens of (x_g . (q(clip(w_g)) - w_g))^2, the squared error
@@ -137,7 +137,7 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: LinearScheme, n_grid: 
         for start in range(0, n, chunk):
             wc = w[start:start + chunk]
             rows = wc.shape[0]
-            q = fake_quantize_grouped(clip_weight(wc, torch.full((rows, g), r), gs, scheme.sym), scheme)
+            q = fake_quantize_grouped(clip_weight(wc, torch.full((rows, g), r), gs, scheme.sym), scheme, sym_range)
             d = (q - wc).reshape(rows, g, gs).permute(1, 2, 0)  # [G, gs, rows]
             err_r[start:start + rows] = torch.bmm(xg, d).pow(2).mean(dim=1).t()  # [rows, G]
         better = err_r < best_err
@@ -271,6 +271,9 @@ class AWQTransform(Transform):
         "clip_n_grid": 20,
         "clip_max_shrink": 0.5,  # ratios 1.0 down to (not including) 1 - max_shrink
         "clip_search_tokens": 512,  # strided token sample for the clip error (AutoAWQ's n_sample_token)
+        # the symmetric grid the searches simulate and the finishing RTN rounds on (grid.SYM_RANGES):
+        # AutoAWQ's absmax/7, which keeps the salient weights the scales enlarge exact
+        "sym_range": "exact",
     }
 
     def __init__(self, **options):
@@ -282,9 +285,14 @@ class AWQTransform(Transform):
         for key in ("max_search_tokens", "token_search_tokens", "clip_search_tokens"):
             if o[key] is not None and (not isinstance(o[key], int) or isinstance(o[key], bool) or o[key] < 0):
                 raise QuantkitError(f"awq option {key} must be a non-negative integer (0: all tokens), got {o[key]!r}")
+        if o["sym_range"] not in SYM_RANGES:
+            raise QuantkitError(f"awq option sym_range must be one of {', '.join(SYM_RANGES)}, got {o['sym_range']!r}")
         if not 0 < float(o["clip_max_shrink"]) < 1:
             raise QuantkitError(f"awq option clip_max_shrink must be in (0, 1), got {o['clip_max_shrink']!r}")
         self.search_log: dict[int, dict[str, Any]] = {}
+
+    def finishing_rtn_options(self) -> dict[str, Any]:
+        return {**super().finishing_rtn_options(), "sym_range": self.options["sym_range"]}
 
     # -- driver hooks --------------------------------------------------------------------
     def begin_layer(self, ctx: LayerContext) -> None:
@@ -322,7 +330,7 @@ class AWQTransform(Transform):
             lin = layer.get_submodule(name)
             scheme = ctx.schemes[name]
             ratios = search_clip(lin.weight.data, x, scheme, int(self.options["clip_n_grid"]),
-                                 float(self.options["clip_max_shrink"]))
+                                 float(self.options["clip_max_shrink"]), sym_range=self.options["sym_range"])
             with torch.no_grad():
                 lin.weight.data = clip_weight(lin.weight.data, ratios, scheme.group_size, scheme.sym)
             log["clip"][name] = ratios.cpu()
@@ -404,7 +412,8 @@ class AWQTransform(Transform):
                 for n, m in linears.items():
                     w = originals[n]
                     sv = s.to(device=w.device, dtype=torch.float32).view(1, -1)
-                    m.weight.data = (fake_quantize_grouped(w.float() * sv, schemes[n]) / sv).to(w.dtype)
+                    m.weight.data = (fake_quantize_grouped(w.float() * sv, schemes[n], self.options["sym_range"])
+                                     / sv).to(w.dtype)
                 loss = group_loss()
                 losses.append(loss)
                 if loss < best[0]:

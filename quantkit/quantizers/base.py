@@ -113,6 +113,14 @@ class Transform(Step):
 
     kind = "transform"
 
+    def finishing_rtn_options(self) -> dict[str, Any]:
+        """Options of the round-to-nearest step that finishes this transform alone (awq, smoothquant).
+
+        Their searches (AWQ's scales and clipping, SmoothQuant's smoothing) simulate plain min/max
+        rounding, so the weights are finished on that same grid, without RTN's range search; a
+        transform whose search simulates another grid says so here. A user's option still wins."""
+        return {"mse": False}
+
     def finalize(self, name: str, qw: QuantizedWeight) -> QuantizedWeight:
         """The quantized result of `name` as this step leaves it (e.g. SmoothQuant adds input_quant)."""
         return qw

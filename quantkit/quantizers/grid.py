@@ -1,8 +1,9 @@
 """Integer grids: scale/zero selection and rounding, shared by every weight quantizer.
 
 One place decides the conventions (GPTQ's): symmetric uses scale = 2*absmax/(2**b - 1) with the
-zero fixed at 2**(b-1); asymmetric uses scale = (max - min)/(2**b - 1) over a range widened to
-include 0, zero = round(-min/scale). Scales are rounded to the storage dtype (fp16) *before*
+zero fixed at 2**(b-1) (`sym_range` "centred"; "exact" is AutoAWQ's absmax/(2**(b-1) - 1), see
+SYM_RANGES); asymmetric uses scale = (max - min)/(2**b - 1) over a range widened to include 0,
+zero = round(-min/scale). Scales are rounded to the storage dtype (fp16) *before*
 the codes are computed, so a packed checkpoint dequantizes to exactly what the quantizer saw.
 """
 from __future__ import annotations
@@ -20,12 +21,29 @@ MSE_NORM = 2.4
 # coarse-to-fine: every 4th shrink factor, then the neighbours of the best (find_qparams)
 MSE_COARSE_STEP = 4
 
+# Where a symmetric grid puts +-absmax (4 bits: codes -8..7 around the zero 8):
+#   centred  scale = 2*absmax/(2**b - 1) (absmax/7.5), GPTQ's reference and llm-compressor's: all 16
+#            codes in use, but +-absmax fall half a step outside them, so a group's largest weight is
+#            always rounded by half a step;
+#   exact    scale = absmax/(2**(b-1) - 1) (absmax/7), AutoAWQ's and GPTQModel's AWQ: +-absmax land
+#            on codes +-7 exactly (code -8 goes unused), a 7 % coarser step. AWQ scales its salient
+#            input channels up until they hold their groups' largest weights, which this grid keeps
+#            exact (README's defaults table has the measurement).
+SYM_RANGES = ("centred", "exact")
+
 
 def max_code(bits: int) -> int:
     return (1 << bits) - 1
 
 
-def compute_qparams(w: torch.Tensor, bits: int, sym: bool, clip_ratio: float | torch.Tensor = 1.0):
+def check_sym_range(sym_range: str) -> str:
+    if sym_range not in SYM_RANGES:
+        raise ValueError(f"sym_range must be one of {', '.join(SYM_RANGES)}, got {sym_range!r}")
+    return sym_range
+
+
+def compute_qparams(w: torch.Tensor, bits: int, sym: bool, clip_ratio: float | torch.Tensor = 1.0,
+                    sym_range: str = "centred"):
     """Scale and zero per row of `w` ([rows, cols]); returns float32 scale [rows], float32 zero [rows]."""
     maxq = max_code(bits)
     w = w.float()
@@ -33,7 +51,7 @@ def compute_qparams(w: torch.Tensor, bits: int, sym: bool, clip_ratio: float | t
     xmax = torch.clamp(w.amax(dim=1), min=0.0) * clip_ratio
     if sym:
         amax = torch.maximum(xmin.abs(), xmax)
-        scale = 2.0 * amax / maxq
+        scale = 2.0 * amax / maxq if check_sym_range(sym_range) == "centred" else amax / (maxq // 2)
         zero = torch.full_like(scale, float((maxq + 1) // 2))
     else:
         scale = (xmax - xmin) / maxq
@@ -60,7 +78,7 @@ def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits
 
 
 def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool,
-                 bias: torch.Tensor | None = None, mse: bool = False) -> QuantizedWeight:
+                 bias: torch.Tensor | None = None, mse: bool = False, sym_range: str = "centred") -> QuantizedWeight:
     """Round-to-nearest with per-group min/max ranges (with `mse`, each group's range shrunk to the
     one with the lowest rounding error by `find_qparams`' coarse-to-fine search, as GPTQ's static
     groups are); vectorised over all groups at once."""
@@ -70,7 +88,7 @@ def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool,
         raise ValueError(f"group size {gs} does not divide in_features {k}")
     groups = k // gs
     w = weight.float().reshape(n * groups, gs)
-    scale, zero = find_qparams(w, bits, sym, mse)
+    scale, zero = find_qparams(w, bits, sym, mse, sym_range=sym_range)
     q = quantize_codes(w, scale, zero, bits).reshape(n, k)
     return QuantizedWeight(
         qweight=q.to(torch.uint8),
@@ -84,18 +102,18 @@ def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool,
     )
 
 
-def fake_quantize_grouped(w: torch.Tensor, scheme) -> torch.Tensor:
+def fake_quantize_grouped(w: torch.Tensor, scheme, sym_range: str = "centred") -> torch.Tensor:
     """Quantize-dequantize ``w`` [N, K] per group with `grid`'s conventions (what rtn_quantize stores)."""
     n, k = w.shape
     gs = k if scheme.group_size == -1 else scheme.group_size
     wg = w.float().reshape(-1, gs)
-    scale, zero = compute_qparams(wg, scheme.bits, scheme.sym)
+    scale, zero = compute_qparams(wg, scheme.bits, scheme.sym, sym_range=sym_range)
     return fake_quantize(wg, scale, zero, scheme.bits).reshape(n, k).to(w.dtype)
 
 
 def find_qparams(x: torch.Tensor, bits: int, sym: bool, mse: bool = False,
                  grid: int = MSE_GRID, maxshrink: float = MSE_MAXSHRINK, norm: float = MSE_NORM,
-                 coarse_step: int = MSE_COARSE_STEP):
+                 coarse_step: int = MSE_COARSE_STEP, sym_range: str = "centred"):
     """Scale/zero per row of x [rows, cols] (fp32 [rows] each), optionally with the reference
     MSE range-shrink search: shrink factors p = 1 - i/grid for i < maxshrink*grid.
 
@@ -105,20 +123,20 @@ def find_qparams(x: torch.Tensor, bits: int, sym: bool, mse: bool = False,
     on a neighbouring local minimum; the README's defaults table has what that costs in KL
     (nothing measurable) and saves in time. coarse_step=1 is the reference's exhaustive loop."""
     if not mse:
-        return compute_qparams(x, bits, sym)
+        return compute_qparams(x, bits, sym, sym_range=sym_range)
     x = x.float()
     n_p = int(maxshrink * grid)
     step = max(1, int(coarse_step))
     # row i tries shrink index idx[i, t]: first every step-th index for every row ...
     coarse = torch.arange(0, n_p, step, device=x.device).expand(x.shape[0], -1)
-    err, scale, zero = _shrink_errors(x, coarse, bits, sym, grid, norm)
+    err, scale, zero = _shrink_errors(x, coarse, bits, sym, grid, norm, sym_range)
     best = err.argmin(dim=1)  # first minimum: the largest p wins ties, like the reference's strict <
     if step == 1:
         return _pick(scale, best), _pick(zero, best)
     # ... then the indices around each row's best coarse one (clamped to the range: repeats are harmless)
     centre = coarse.gather(1, best.unsqueeze(1))
     fine = (centre + torch.arange(-(step - 1), step, device=x.device)).clamp_(0, n_p - 1)
-    err, scale, zero = _shrink_errors(x, fine, bits, sym, grid, norm)
+    err, scale, zero = _shrink_errors(x, fine, bits, sym, grid, norm, sym_range)
     best = err.argmin(dim=1)
     return _pick(scale, best), _pick(zero, best)
 
@@ -132,7 +150,8 @@ def _pick(t: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
 SHRINK_CHUNK_BYTES = 2 << 20
 
 
-def _shrink_errors(x: torch.Tensor, idx: torch.Tensor, bits: int, sym: bool, grid: int, norm: float):
+def _shrink_errors(x: torch.Tensor, idx: torch.Tensor, bits: int, sym: bool, grid: int, norm: float,
+                   sym_range: str = "centred"):
     """Rounding error sum |fake_quantize(x) - x|^norm of each row of x [rows, cols] on the range
     shrunk by p = 1 - idx/grid for every index in idx [rows, trials]; returns err, scale and zero,
     each [rows, trials]. Rows are evaluated a cache-sized chunk at a time, every trial at once."""
@@ -142,7 +161,8 @@ def _shrink_errors(x: torch.Tensor, idx: torch.Tensor, bits: int, sym: bool, gri
     # identical scale/zero for every trial at once
     mm = torch.stack([x.amin(dim=1), x.amax(dim=1)], dim=1)
     p = (1.0 - idx.to(torch.float64) / grid).to(torch.float32)  # [rows, trials]
-    scale, zero = compute_qparams(mm.repeat_interleave(trials, 0), bits, sym, clip_ratio=p.reshape(-1))
+    scale, zero = compute_qparams(mm.repeat_interleave(trials, 0), bits, sym, clip_ratio=p.reshape(-1),
+                                  sym_range=sym_range)
     scale, zero = scale.view(rows, trials), zero.view(rows, trials)
     maxq = max_code(bits)
     if sym:  # codes centred on the zero point: clamp(round(x/s), -z, maxq - z), the same values

@@ -19,12 +19,6 @@ from quantkit.quantizers.base import LayerContext, Quantizer, Step, Transform, s
 from quantkit.scheme import LinearScheme
 
 
-# options of the round-to-nearest step that finishes a transform alone (awq, smoothquant): their
-# searches (AWQ's scales and clipping, SmoothQuant's smoothing) simulate plain min/max rounding, so the
-# weights are finished on that same grid; an option the user gives for the step still wins
-FINISHING_RTN_OPTIONS = {"mse": False}
-
-
 class Recipe:
     """An ordered, validated list of steps: transforms first, one weight quantizer last."""
 
@@ -49,7 +43,7 @@ class Recipe:
         if isinstance(method, type) and issubclass(method, Step):
             method = method()
         if isinstance(method, Transform):
-            return cls([method, step_class("rtn")(**FINISHING_RTN_OPTIONS)])
+            return cls([method, step_class("rtn")(**method.finishing_rtn_options())])
         if isinstance(method, Quantizer):
             return cls([method])
         raise QuantkitError(f"a method is a name, a recipe or a Step instance, got {type(method).__name__}")
@@ -191,6 +185,8 @@ def build_recipe(method: Union[str, Iterable[str], Recipe, Step, type], options:
     owners: dict[str, list[str]] = {}
     for c in classes:
         for key in c.options_spec:
+            if finishing and c is classes[-1] and key in classes[-2].options_spec:
+                continue  # the transform's own option, which it hands to its finishing rounding
             owners.setdefault(key, []).append(c.name)
     unknown = sorted(k for k in options if k not in owners)
     if unknown:
@@ -202,6 +198,6 @@ def build_recipe(method: Union[str, Iterable[str], Recipe, Step, type], options:
         raise QuantkitError(f"option {shared[0]!r} belongs to several steps ({', '.join(owners[shared[0]])}), "
                             "so it cannot say which one it sets; pass ready Step instances instead")
     chosen = [{k: v for k, v in options.items() if owners[k] == [c.name]} for c in classes]
-    if finishing:
-        chosen[-1] = {**FINISHING_RTN_OPTIONS, **chosen[-1]}
-    return Recipe([c(**o) for c, o in zip(classes, chosen)])
+    steps = [c(**o) for c, o in zip(classes[:-1], chosen[:-1])]
+    last = {**steps[-1].finishing_rtn_options(), **chosen[-1]} if finishing else chosen[-1]
+    return Recipe(steps + [classes[-1](**last)])

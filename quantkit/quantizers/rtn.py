@@ -6,7 +6,8 @@ from torch import nn
 from quantkit.quantizers.base import Quantizer, register_step
 from quantkit.ggml_types import ggml_type
 from quantkit.quantizers.gguf_grid import rtn_on_grid
-from quantkit.quantizers.grid import rtn_quantize
+from quantkit.errors import QuantkitError
+from quantkit.quantizers.grid import SYM_RANGES, rtn_quantize
 from quantkit.scheme import LinearScheme
 
 
@@ -18,12 +19,20 @@ class RTNQuantizer(Quantizer):
     # mse: each group's range shrunk to the one with the lowest rounding error (still no data), by
     # GPTQ's coarse-to-fine search: lower KL than plain min/max on both held-out texts and than
     # llm-compressor's RTN (README's defaults table); mse=false is plain min/max round-to-nearest
-    options_spec = {"mse": True}
+    # sym_range: where a symmetric grid puts +-absmax (quantizers.grid.SYM_RANGES); awq finishes on
+    # "exact", the grid its searches simulate
+    options_spec = {"mse": True, "sym_range": "centred"}
 
     supports_grids = True
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        if self.options["sym_range"] not in SYM_RANGES:
+            raise QuantkitError(f"rtn option sym_range must be one of {', '.join(SYM_RANGES)}, "
+                                f"got {self.options['sym_range']!r}")
 
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme):
         if scheme.grid is not None:  # a GGUF type's blocks, parameters chosen as llama.cpp does
             return rtn_on_grid(module.weight.data, ggml_type(scheme.grid), module.bias)
         return rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias,
-                            mse=bool(self.options["mse"]))
+                            mse=bool(self.options["mse"]), sym_range=self.options["sym_range"])
