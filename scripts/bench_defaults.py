@@ -38,6 +38,7 @@ VARIANTS = {
     "awq": ("awq", {}, {}, {}),
     "awq-centred": ("awq", {"sym_range": "centred"}, {}, {}),  # GPTQ's symmetric grid (absmax/7.5) instead of AutoAWQ's
     "awq-full-grid": ("awq", {"full_grid": True}, {}, {}),
+    "awq-duo-both": ("awq", {"duo_scaling": "both"}, {}, {}),  # llm-compressor's: each alpha with and without w_mean
     "awq-mse": ("awq", {"mse": True}, {}, {}),  # the finishing RTN also searches each group's range
     # the scale and clip searches on 8x / 4x larger token samples than the defaults
     "awq-large-sample": ("awq", {"token_search_tokens": 8192, "max_search_tokens": 8192, "clip_search_tokens": 2048},

@@ -453,3 +453,24 @@ def test_exact_symmetric_grid_is_autoawq_pseudo_quantize(bits):
     at_max = w.abs() == absmax.repeat_interleave(32, 1)
     # half a step, up to the fp16 rounding of the scale (absmax/scale = 2^(b-1) - 1/2 within 2^-11 relative)
     assert torch.allclose((cdeq - w)[at_max].abs(), step[at_max] / 2, rtol=2 ** -11 * 2 ** bits)
+
+
+def test_duo_scaling_both_tries_each_alpha_with_and_without_the_weight_term(tiny_llama_dir):
+    import transformers
+
+    from quantkit.api import linear_shapes
+    from quantkit.models import get_adapter
+    from quantkit.scheme import QuantScheme
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    schemes = QuantScheme(bits=4, group_size=32, sym=True).resolve(linear_shapes(model))
+    awq = AWQTransform(clip=False, n_grid=4, duo_scaling="both")
+    quantize_model(model, get_adapter(model), awq, schemes, torch.randint(0, 1000, (2, 16)), batch_size=2,
+                   progress=False)
+    for group in awq.search_log[0]["groups"]:
+        losses = group["losses"]
+        assert len(losses) == 8  # alpha 0, 1/4, 2/4, 3/4 with w_mean, then without
+        best = min(range(8), key=lambda i: losses[i])
+        assert group["alpha"] == [0.0, 0.25, 0.5, 0.75][best % 4] and group["duo"] is (best < 4)
+    with pytest.raises(QuantkitError, match="duo_scaling must be true, false or both"):
+        AWQTransform(duo_scaling="yes")

@@ -261,7 +261,9 @@ class AWQTransform(Transform):
     default_sym = False
     default_format = "awq"
     options_spec = {
-        "duo_scaling": True,  # s = x_mean^a / w_mean^(1-a) (AutoAWQ's default) instead of x_mean^a
+        # s = x_mean^a / w_mean^(1-a) (AutoAWQ's default) instead of x_mean^a; "both": every alpha with
+        # each, 2 x n_grid trials (llm-compressor's duo_scaling="both")
+        "duo_scaling": True,
         "n_grid": 20,  # alpha grid {0, 1/n, ..., (n-1)/n}
         "full_grid": False,  # also try no scaling (s = 1) and alpha = 1, as llm-compressor does
         # the scale-search loss re-runs its block 20 times, so it runs on samples (0: all tokens):
@@ -287,6 +289,8 @@ class AWQTransform(Transform):
                 raise QuantkitError(f"awq option {key} must be a non-negative integer (0: all tokens), got {o[key]!r}")
         if o["sym_range"] not in SYM_RANGES:
             raise QuantkitError(f"awq option sym_range must be one of {', '.join(SYM_RANGES)}, got {o['sym_range']!r}")
+        if o["duo_scaling"] not in (True, False, "both"):
+            raise QuantkitError(f"awq option duo_scaling must be true, false or both, got {o['duo_scaling']!r}")
         if not 0 < float(o["clip_max_shrink"]) < 1:
             raise QuantkitError(f"awq option clip_max_shrink must be in (0, 1), got {o['clip_max_shrink']!r}")
         self.search_log: dict[int, dict[str, Any]] = {}
@@ -319,7 +323,7 @@ class AWQTransform(Transform):
                     s = found["scales"].to(cap.clip_x[name].device)
                     cap.clip_x[name] = cap.clip_x[name] / s
             log["groups"].append({"prev": group.prev, "linears": group.linears, "inspect": group.inspect,
-                                  "alpha": found["alpha"], "losses": found["losses"],
+                                  "alpha": found["alpha"], "duo": found.get("duo"), "losses": found["losses"],
                                   "scales": found["scales"].detach().cpu()})
         cap.inspect_inputs.clear()
         cap.token_x.clear()
@@ -394,21 +398,25 @@ class AWQTransform(Transform):
         x_mean = cap.x_mean(group.input_module)
         quantized = [n for n in group.linears if n in schemes]
         linears = {n: layer.get_submodule(n) for n in quantized}
+        duo = self.options["duo_scaling"]
         w_mean = None
-        if self.options["duo_scaling"]:
+        if duo:
             w_mean = weight_mean([m.weight for m in linears.values()], [schemes[n].group_size for n in quantized])
         inspect = layer.get_submodule(group.inspect)
         originals = {n: m.weight.data.clone() for n, m in linears.items()}
         group_loss = self._loss(group, inspect, originals, cap)
         n_grid = int(self.options["n_grid"])
         alphas = [i / n_grid for i in range(n_grid + bool(self.options["full_grid"]))]
-        candidates = [(a, candidate_scales(x_mean, w_mean, a)) for a in alphas]
+        # (alpha, scales, whether they use w_mean), in the order of `losses`
+        candidates = [(a, candidate_scales(x_mean, w_mean, a), bool(duo)) for a in alphas]
+        if duo == "both":  # then the same alphas without the weight term
+            candidates += [(a, candidate_scales(x_mean, None, a), False) for a in alphas]
         if self.options["full_grid"]:
-            candidates.insert(0, (None, torch.ones_like(x_mean)))  # no scaling: the layer as it is
+            candidates.insert(0, (None, torch.ones_like(x_mean), False))  # no scaling: the layer as it is
         losses: list[float] = []
-        best = (math.inf, None, None)
+        best = (math.inf, None, None, None)
         try:
-            for alpha, s in candidates:
+            for alpha, s, with_w in candidates:
                 for n, m in linears.items():
                     w = originals[n]
                     sv = s.to(device=w.device, dtype=torch.float32).view(1, -1)
@@ -417,11 +425,11 @@ class AWQTransform(Transform):
                 loss = group_loss()
                 losses.append(loss)
                 if loss < best[0]:
-                    best = (loss, alpha, s.clone())
+                    best = (loss, alpha, s.clone(), with_w)
         finally:
             for n, m in linears.items():
                 m.weight.data = originals[n]
         if best[2] is None:
             raise QuantkitError(f"awq: the scale search for {group.linears} produced no finite loss; "
                                 "the calibration data or weights contain NaN/inf")
-        return {"alpha": best[1], "scales": best[2], "losses": losses}
+        return {"alpha": best[1], "scales": best[2], "duo": best[3], "losses": losses}
