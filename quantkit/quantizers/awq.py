@@ -45,7 +45,7 @@ from quantkit.errors import QuantkitError
 from quantkit.models.folding import fold_scales
 from quantkit.layer_io import batch_shapes, layer_output, slice_rows
 from quantkit.quantizers.base import LayerContext, Transform, register_step
-from quantkit.quantizers.grid import SYM_RANGES, fake_quantize_grouped
+from quantkit.quantizers.grid import check_sym_range, fake_quantize_grouped
 from quantkit.reduction import LocalComm, RowSum, SampleLayout
 from quantkit.scheme import LinearScheme
 
@@ -287,8 +287,7 @@ class AWQTransform(Transform):
         for key in ("max_search_tokens", "token_search_tokens", "clip_search_tokens"):
             if o[key] is not None and (not isinstance(o[key], int) or isinstance(o[key], bool) or o[key] < 0):
                 raise QuantkitError(f"awq option {key} must be a non-negative integer (0: all tokens), got {o[key]!r}")
-        if o["sym_range"] not in SYM_RANGES:
-            raise QuantkitError(f"awq option sym_range must be one of {', '.join(SYM_RANGES)}, got {o['sym_range']!r}")
+        check_sym_range(o["sym_range"], "awq option ")
         if o["duo_scaling"] not in (True, False, "both"):
             raise QuantkitError(f"awq option duo_scaling must be true, false or both, got {o['duo_scaling']!r}")
         if not 0 < float(o["clip_max_shrink"]) < 1:

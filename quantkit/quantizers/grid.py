@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from quantkit.errors import QuantkitError
 from quantkit.qtensor import QuantizedWeight
 
 SCALE_DTYPE = torch.float16
@@ -36,9 +37,10 @@ def max_code(bits: int) -> int:
     return (1 << bits) - 1
 
 
-def check_sym_range(sym_range: str) -> str:
+def check_sym_range(sym_range: str, owner: str = "") -> str:
+    """`sym_range` if it names one of SYM_RANGES, else a one-line error (``owner``: e.g. "awq option ")."""
     if sym_range not in SYM_RANGES:
-        raise ValueError(f"sym_range must be one of {', '.join(SYM_RANGES)}, got {sym_range!r}")
+        raise QuantkitError(f"{owner}sym_range must be one of {', '.join(SYM_RANGES)}, got {sym_range!r}")
     return sym_range
 
 

@@ -6,8 +6,7 @@ from torch import nn
 from quantkit.quantizers.base import Quantizer, register_step
 from quantkit.ggml_types import ggml_type
 from quantkit.quantizers.gguf_grid import rtn_on_grid
-from quantkit.errors import QuantkitError
-from quantkit.quantizers.grid import SYM_RANGES, rtn_quantize
+from quantkit.quantizers.grid import check_sym_range, rtn_quantize
 from quantkit.scheme import LinearScheme
 
 
@@ -27,9 +26,7 @@ class RTNQuantizer(Quantizer):
 
     def __init__(self, **options):
         super().__init__(**options)
-        if self.options["sym_range"] not in SYM_RANGES:
-            raise QuantkitError(f"rtn option sym_range must be one of {', '.join(SYM_RANGES)}, "
-                                f"got {self.options['sym_range']!r}")
+        check_sym_range(self.options["sym_range"], "rtn option ")
 
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme):
         if scheme.grid is not None:  # a GGUF type's blocks, parameters chosen as llama.cpp does
