@@ -39,10 +39,15 @@ VARIANTS = {
     "awq-centred": ("awq", {"sym_range": "centred"}, {}, {}),  # GPTQ's symmetric grid (absmax/7.5) instead of AutoAWQ's
     "awq-full-grid": ("awq", {"full_grid": True}, {}, {}),
     "awq-duo-both": ("awq", {"duo_scaling": "both"}, {}, {}),  # llm-compressor's: each alpha with and without w_mean
+    # calibrated on the outputs of the layers quantized before (the default until 2026-12-02) instead of
+    # the unquantized model's hidden states
+    "awq-quantized-inputs": ("awq", {"inputs": "quantized"}, {}, {}),
     "awq-mse": ("awq", {"mse": True}, {}, {}),  # the finishing RTN also searches each group's range
     # the scale and clip searches on 8x / 4x larger token samples than the defaults
     "awq-large-sample": ("awq", {"token_search_tokens": 8192, "max_search_tokens": 8192, "clip_search_tokens": 2048},
                          {}, {}),
+    # only the attention block's scale search on 4x more sequences (the token-wise searches as default)
+    "awq-attention-sample": ("awq", {"max_search_tokens": 8192}, {}, {}),
     "awq-gptq": ("awq,gptq", {}, {}, {}),
 }
 

@@ -474,3 +474,87 @@ def test_duo_scaling_both_tries_each_alpha_with_and_without_the_weight_term(tiny
         assert group["alpha"] == [0.0, 0.25, 0.5, 0.75][best % 4] and group["duo"] is (best < 4)
     with pytest.raises(QuantkitError, match="duo_scaling must be true, false or both"):
         AWQTransform(duo_scaling="yes")
+
+
+# ------------------------------------------------------------- which hidden states each layer sees
+
+def _decoder_layer_inputs(model, ids, inputs_option):
+    """quantize_model with AWQ (`inputs` option), recording every hidden-state input each decoder
+    layer receives from the driver (its calibration runs and any output pass)."""
+    seen = {}
+    layers = get_adapter(model).decoder_layers(model)
+
+    def recorder(i):
+        def hook(module, args, kwargs):
+            seen.setdefault(i, []).append((args[0] if args else kwargs["hidden_states"]).detach().clone())
+        return hook
+
+    handles = [layer.register_forward_pre_hook(recorder(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        quantize_model(model, get_adapter(model), AWQTransform(inputs=inputs_option, n_grid=4), schemes_for(model, bits=2),
+                       ids, batch_size=3, progress=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def test_float_inputs_are_the_original_models_hidden_states_and_quantized_ones_are_not():
+    """The oracle is transformers' own forward of the unquantized model (output_hidden_states)."""
+    model = build("llama_gqa")
+    ids = calib_ids()
+    with torch.no_grad():
+        original = model(ids, output_hidden_states=True).hidden_states  # [i]: what enters layer i
+    for option, layer1_matches in (("float", True), ("quantized", False)):
+        seen = _decoder_layer_inputs(copy.deepcopy(model), ids, option)
+        assert sorted(seen) == [0, 1]
+        for i, calls in seen.items():
+            for b in range(0, len(calls), 2):  # two batches of three sequences per pass over the data
+                got = torch.cat(calls[b:b + 2])
+                if i == 0 or layer1_matches:
+                    torch.testing.assert_close(got, original[i], atol=1e-5, rtol=1e-5)
+                else:  # layer 0 quantized at 2 bits: layer 1 sees its error
+                    assert (got - original[i]).abs().max() > 1e-2
+
+
+def test_the_recipe_settles_which_stream_layers_are_calibrated_on():
+    from quantkit.quantizers.recipe import build_recipe
+
+    assert build_recipe("awq", {}).calibrates_on_float_inputs  # the default, measured (README)
+    assert not build_recipe("awq", {"inputs": "quantized"}).calibrates_on_float_inputs
+    assert not build_recipe("awq,gptq", {}).calibrates_on_float_inputs  # GPTQ's Hessians: the quantized stream
+    assert not build_recipe("gptq", {}).calibrates_on_float_inputs
+    assert not build_recipe("rtn", {}).calibrates_on_float_inputs
+    with pytest.raises(QuantkitError, match="awq option inputs must be float or quantized"):
+        AWQTransform(inputs="fp32")
+
+
+def test_awq_on_the_float_stream_resumes_to_the_uninterrupted_result(tiny_llama_dir, tmp_path, monkeypatch):
+    """The restored layer is quantized, so resume must not re-run it: the unquantized stream after it
+    was saved, and the resumed checkpoint is byte-identical."""
+    import quantkit
+    from quantkit.pipeline import driver
+
+    kwargs = dict(bits=4, group_size=32, num_samples=4, seq_len=16, sym=True, options={"n_grid": 4},
+                  progress=False)
+    whole = quantkit.quantize(str(tiny_llama_dir), "awq", output=tmp_path / "whole", **kwargs)
+    calls = {"n": 0}
+    persist = driver.LayerByLayer.persist
+
+    def crash_after_first(self, i, results):
+        persist(self, i, results)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(driver.LayerByLayer, "persist", crash_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize(str(tiny_llama_dir), "awq", output=tmp_path / "resumed", **kwargs)
+    monkeypatch.setattr(driver.LayerByLayer, "persist", persist)
+    advanced = []
+    advance = driver.LayerByLayer.advance
+    monkeypatch.setattr(driver.LayerByLayer, "advance", lambda self, i, out: (advanced.append(i), advance(self, i, out)))
+    quantkit.quantize(str(tiny_llama_dir), "awq", output=tmp_path / "resumed", resume=True, **kwargs)
+    assert 0 not in advanced  # layer 0 came from the store with the stream after it
+    a, b = (tmp_path / d / "model.safetensors" for d in ("whole", "resumed"))
+    assert whole is not None and a.read_bytes() == b.read_bytes()

@@ -4,7 +4,8 @@ It captures what enters decoder layer 0 (hidden states and every keyword argumen
 ids, rotary tables), then per layer: load the layer (onto the compute device, in fp32; from disk when
 streaming) -> run a strategy (the recipe's transforms, then its weight quantizer, stage by stage or in
 one pass; a layer already in the progress store is restored instead) -> the layer's quantized
-outputs become the next layer's inputs -> persist its results (progress store) -> release it
+outputs become the next layer's inputs (its unquantized outputs, for a recipe that calibrates on the
+original model's hidden states, e.g. AWQ's) -> persist its results (progress store) -> release it
 (written back into the model, or dropped and its pages handed back). Only one decoder layer lives on
 the compute device; activations stay on `activation_device`.
 """
@@ -60,6 +61,10 @@ class LayerByLayer:
                                             compute_dtype, batches=self.samples.batches) if recipe.needs_calibration else [])
         # the unquantized model's hidden states beside the quantized ones, for steps that compare with them
         self.reference = [h.clone() for h, _ in self.inputs] if recipe.needs_reference_inputs else None
+        # the stream itself is the unquantized one: persist/resume keep it where they keep `reference`
+        self.float_stream = recipe.needs_calibration and recipe.calibrates_on_float_inputs
+        if self.float_stream and self.reference is not None:
+            raise ValueError("a recipe calibrates on the unquantized stream or compares with it, not both")
         # decided for the whole set, not this rank's share: every rank count runs the same strategy
         one_pass = self.samples is not None and batch_size >= self.samples.n_samples and runs_in_one_pass(recipe)
         self.strategy = OnePassStrategy(policy) if one_pass else StagedStrategy()
@@ -109,7 +114,10 @@ class LayerByLayer:
             record = self.store.load_layer(i)
             residency.restore(layer, prefix, record)
             self.layer_stats[i] = record.stats
-            self.advance(i, None)
+            if self.float_stream:  # the restored layer is quantized: its unquantized outputs were saved
+                self.restore_float_stream(i)
+            else:
+                self.advance(i, None)
             if self.reference is not None:
                 saved = self.store.load_reference(i)
                 self.reference = split_rows(join_rows(saved), self.reference) if saved else self.reference
@@ -118,6 +126,7 @@ class LayerByLayer:
                            schemes={n[len(prefix):]: s for n, s in self.schemes.items() if n.startswith(prefix)},
                            inputs=self.inputs, run_layer=lambda: self.run_layer(i), experts=experts,
                            samples=self.samples)
+        float_outputs = self.run_layer(i) if self.float_stream else None  # before any step changes the layer
         self.recipe.begin_layer(ctx)
         if self.reference is not None:  # the layer as the unquantized model has it: transformed, not quantized
             ctx.reference_layer = copy.deepcopy(layer)
@@ -125,7 +134,7 @@ class LayerByLayer:
         strategy = self.staged if strategy_needs_stages(layer, self.adapter) else self.strategy
         layer_results, outputs = strategy.quantize_layer(ctx, self.recipe, self.device_of(i), self.compute_dtype,
                                                           observe=self.recipe.needs_observe)
-        self.advance(i, outputs)
+        self.advance(i, outputs if float_outputs is None else float_outputs)
         if ctx.reference_layer is not None:
             self.reference = run_layer(ctx.reference_layer, ctx.reference_inputs, self.device_of(i), self.compute_dtype,
                                        self.activation_device)
@@ -154,11 +163,22 @@ class LayerByLayer:
         outputs = self.run_layer(i) if outputs is None else outputs
         self.inputs[:] = [(out, kwargs) for out, (_, kwargs) in zip(outputs, self.inputs)]
 
+    def restore_float_stream(self, i: int) -> None:
+        """On resume: the unquantized hidden states after layer i, as persist saved them."""
+        saved = self.store.load_reference(i)
+        if saved is None:
+            raise QuantkitError(f"--resume: the staging folder has no unquantized hidden states after layer {i}; "
+                                "delete it and start over")
+        hidden = split_rows(join_rows(saved), [h for h, _ in self.inputs])
+        self.inputs[:] = [(h.to(old.device, old.dtype), kw) for h, (old, kw) in zip(hidden, self.inputs)]
+
     def persist(self, i: int, layer_results: dict[str, QuantizedWeight]) -> None:
         """Saved before the layer returns to its storage dtype (resume restores exactly this)."""
         if self.store is not None and i not in self.done:
             if self.reference is not None:  # before the record: a saved layer always has its reference
                 self.store.save_reference(i, [join_rows(self.reference)])
+            elif self.float_stream:
+                self.store.save_reference(i, [join_rows([h for h, _ in self.inputs])])
             prefix = self.layer_prefix(i)
             self.store.save_layer(LayerRecord(index=i, quantized=layer_results,
                                               other=residency.other_tensors(self.layers[i], prefix, layer_results),

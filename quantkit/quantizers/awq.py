@@ -276,6 +276,10 @@ class AWQTransform(Transform):
         # the symmetric grid the searches simulate and the finishing RTN rounds on (grid.SYM_RANGES):
         # AutoAWQ's absmax/7, which keeps the salient weights the scales enlarge exact
         "sym_range": "exact",
+        # the hidden states each layer is searched on: "float", the unquantized model's (AutoAWQ's flow:
+        # each layer's scales fit the activations the original model produces), or "quantized", the
+        # outputs of the layers quantized before it; in awq,gptq the quantizer's stream wins
+        "inputs": "float",
     }
 
     def __init__(self, **options):
@@ -292,6 +296,9 @@ class AWQTransform(Transform):
             raise QuantkitError(f"awq option duo_scaling must be true, false or both, got {o['duo_scaling']!r}")
         if not 0 < float(o["clip_max_shrink"]) < 1:
             raise QuantkitError(f"awq option clip_max_shrink must be in (0, 1), got {o['clip_max_shrink']!r}")
+        if o["inputs"] not in ("float", "quantized"):
+            raise QuantkitError(f"awq option inputs must be float or quantized, got {o['inputs']!r}")
+        self.calibration_stream = o["inputs"]  # an instance attribute: the recipe reads it
         self.search_log: dict[int, dict[str, Any]] = {}
 
     def finishing_rtn_options(self) -> dict[str, Any]:

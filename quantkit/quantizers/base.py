@@ -71,6 +71,10 @@ class Step:
     # wants each linear's input in the unquantized model too (`observe(..., reference=)`): the pipeline
     # then runs a full-precision copy of every layer on the full-precision hidden states beside it
     needs_reference_inputs: ClassVar[bool] = False
+    # which hidden states the next layer is calibrated on: "quantized" (the outputs of the layers
+    # quantized so far, GPTQ's flow), "float" (the unquantized model's, AutoAWQ's flow) or None (no
+    # preference); the recipe settles it (Recipe.calibrates_on_float_inputs)
+    calibration_stream: ClassVar[str | None] = None
     supports_grids: ClassVar[bool] = False  # honours LinearScheme.grid (a target format's fixed grid, e.g. GGUF)
 
     def __init__(self, **options):

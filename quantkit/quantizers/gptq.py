@@ -26,6 +26,7 @@ from quantkit.scheme import LinearScheme
 class GPTQQuantizer(Quantizer):
     name = "gptq"
     supports_grids = True
+    calibration_stream = "quantized"  # each Hessian sees the errors of the layers quantized before it
     options_spec = {
         "damp_percent": 0.01,
         "block_size": 128,

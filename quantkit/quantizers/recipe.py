@@ -115,6 +115,17 @@ class Recipe:
     def needs_reference_inputs(self) -> bool:
         return any(s.needs_reference_inputs for s in self.steps)
 
+    @property
+    def calibrates_on_float_inputs(self) -> bool:
+        """Whether each layer is calibrated on the unquantized model's hidden states rather than on
+        the outputs of the layers quantized before it. The quantizer decides when it has a preference
+        (GPTQ's Hessians come from the quantized stream, so `awq,gptq` stays there); otherwise the
+        last transform that has one (AWQ alone: its `inputs` option)."""
+        for s in (self.quantizer, *reversed(self.transforms)):
+            if s.calibration_stream is not None:
+                return s.calibration_stream == "float"
+        return False
+
     def stages(self, ctx: LayerContext) -> list[list[str]]:
         return self.quantizer.stages(ctx)
 
