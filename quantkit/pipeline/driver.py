@@ -111,17 +111,7 @@ class LayerByLayer:
         """Layer i's quantized results (computed, or restored from the store), its outputs passed on."""
         layer, prefix = self.layers[i], self.layer_prefix(i)
         if i in self.done:
-            record = self.store.load_layer(i)
-            residency.restore(layer, prefix, record)
-            self.layer_stats[i] = record.stats
-            if self.float_stream:  # the restored layer is quantized: its unquantized outputs were saved
-                self.restore_float_stream(i)
-            else:
-                self.advance(i, None)
-            if self.reference is not None:
-                saved = self.store.load_reference(i)
-                self.reference = split_rows(join_rows(saved), self.reference) if saved else self.reference
-            return record.quantized
+            return self.restore(i)
         ctx = LayerContext(index=i, layer=layer, prefix=prefix, adapter=self.adapter, config=self.model.config,
                            schemes={n[len(prefix):]: s for n, s in self.schemes.items() if n.startswith(prefix)},
                            inputs=self.inputs, run_layer=lambda: self.run_layer(i), experts=experts,
@@ -162,6 +152,20 @@ class LayerByLayer:
             return
         outputs = self.run_layer(i) if outputs is None else outputs
         self.inputs[:] = [(out, kwargs) for out, (_, kwargs) in zip(outputs, self.inputs)]
+
+    def restore(self, i: int) -> dict[str, QuantizedWeight]:
+        """Layer i as the store holds it (a resumed run), and the streams after it."""
+        record = self.store.load_layer(i)
+        residency.restore(self.layers[i], self.layer_prefix(i), record)
+        self.layer_stats[i] = record.stats
+        if self.float_stream:  # the restored layer is quantized: its unquantized outputs were saved
+            self.restore_float_stream(i)
+        else:
+            self.advance(i, None)
+        if self.reference is not None:
+            saved = self.store.load_reference(i)
+            self.reference = split_rows(join_rows(saved), self.reference) if saved else self.reference
+        return record.quantized
 
     def restore_float_stream(self, i: int) -> None:
         """On resume: the unquantized hidden states after layer i, as persist saved them."""
