@@ -146,3 +146,20 @@ def perturb_norms(model) -> None:
                 mod.weight.normal_(1.0, 0.2)
                 if getattr(mod, "bias", None) is not None:
                     mod.bias.normal_(0.0, 0.2)
+
+
+def interrupt_after_first_layer(monkeypatch, run) -> None:
+    """Runs `run()` (a quantize) stopped by KeyboardInterrupt right after layer 0's progress record is
+    saved, as a Ctrl-C between layers would; the driver is as it was afterwards (for the --resume run)."""
+    from quantkit.pipeline import driver
+
+    persist = driver.LayerByLayer.persist
+
+    def persist_then_stop(self, i, results):
+        persist(self, i, results)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(driver.LayerByLayer, "persist", persist_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    monkeypatch.setattr(driver.LayerByLayer, "persist", persist)

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from quantkit.layer_io import layer_output as _layer_output
 from quantkit.layer_io import to_device as _to
 from quantkit.pipeline import capture_layer_inputs, quantize_model
-from conftest import perturb_norms
+from conftest import interrupt_after_first_layer, perturb_norms
 from quantkit.errors import QuantkitError
 from quantkit.models import get_adapter
 from quantkit.quantizers.awq import AWQTransform, clip_ratios_grid, search_clip
@@ -538,19 +538,8 @@ def test_awq_on_the_float_stream_resumes_to_the_uninterrupted_result(tiny_llama_
     kwargs = dict(bits=4, group_size=32, num_samples=4, seq_len=16, sym=True, options={"n_grid": 4},
                   progress=False)
     whole = quantkit.quantize(str(tiny_llama_dir), "awq", output=tmp_path / "whole", **kwargs)
-    calls = {"n": 0}
-    persist = driver.LayerByLayer.persist
-
-    def crash_after_first(self, i, results):
-        persist(self, i, results)
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(driver.LayerByLayer, "persist", crash_after_first)
-    with pytest.raises(KeyboardInterrupt):
-        quantkit.quantize(str(tiny_llama_dir), "awq", output=tmp_path / "resumed", **kwargs)
-    monkeypatch.setattr(driver.LayerByLayer, "persist", persist)
+    interrupt_after_first_layer(
+        monkeypatch, lambda: quantkit.quantize(str(tiny_llama_dir), "awq", output=tmp_path / "resumed", **kwargs))
     advanced = []
     advance = driver.LayerByLayer.advance
     monkeypatch.setattr(driver.LayerByLayer, "advance", lambda self, i, out: (advanced.append(i), advance(self, i, out)))

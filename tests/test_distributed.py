@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import last_json, run_cli
+from conftest import interrupt_after_first_layer, last_json, run_cli
 from test_robustness import random_llama_with_demo_tokenizer, tree_sha256
 
 from quantkit.reduction import LEAVES, RowSum, SampleLayout, leaf_bounds, left_fold
@@ -193,20 +193,11 @@ def test_gptaq_interrupted_in_one_process_resumes_on_two_ranks(tiny_llama_dir, t
     """GPTAQ carries the unquantized model's stream from layer to layer: saved whole by rank 0 (one
     process here), each rank of the resumed run takes its samples' rows of it back."""
     import quantkit
-    from quantkit.pipeline import driver
 
     kwargs = dict(group_size=32, num_samples=13, seq_len=24, options={"gptaq": True}, progress=False)
     quantkit.quantize(str(tiny_llama_dir), "gptq", output=tmp_path / "whole", **kwargs)
-    persist = driver.LayerByLayer.persist
-
-    def stop_after_layer_0(self, i, results):
-        persist(self, i, results)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(driver.LayerByLayer, "persist", stop_after_layer_0)
-    with pytest.raises(KeyboardInterrupt):
-        quantkit.quantize(str(tiny_llama_dir), "gptq", output=tmp_path / "resumed", **kwargs)
-    monkeypatch.setattr(driver.LayerByLayer, "persist", persist)
+    interrupt_after_first_layer(
+        monkeypatch, lambda: quantkit.quantize(str(tiny_llama_dir), "gptq", output=tmp_path / "resumed", **kwargs))
     assert len(list(tmp_path.glob(".resumed.partial/layers/reference-*"))) == 1
     quantkit.quantize(str(tiny_llama_dir), "gptq", output=tmp_path / "resumed", resume=True, nproc=2, **kwargs)
     assert tree_sha256(tmp_path / "resumed") == tree_sha256(tmp_path / "whole")

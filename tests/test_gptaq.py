@@ -89,23 +89,12 @@ def test_pipeline_feeds_the_unquantized_models_inputs_as_reference(tiny_llama_di
 
 def test_gptaq_resumes_to_the_uninterrupted_result(tiny_llama_dir, tmp_path, monkeypatch):
     import quantkit
-    from quantkit.pipeline import driver
+    from conftest import interrupt_after_first_layer
 
     kwargs = dict(bits=4, group_size=32, num_samples=4, seq_len=16, options={"gptaq": True}, progress=False)
     whole = quantkit.quantize(str(tiny_llama_dir), "gptq", output=tmp_path / "whole", **kwargs)
-    calls = {"n": 0}
-    persist = driver.LayerByLayer.persist
-
-    def crash_after_first(self, i, results):
-        persist(self, i, results)
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(driver.LayerByLayer, "persist", crash_after_first)
-    with pytest.raises(KeyboardInterrupt):
-        quantkit.quantize(str(tiny_llama_dir), "gptq", output=tmp_path / "resumed", **kwargs)
-    monkeypatch.setattr(driver.LayerByLayer, "persist", persist)
+    interrupt_after_first_layer(
+        monkeypatch, lambda: quantkit.quantize(str(tiny_llama_dir), "gptq", output=tmp_path / "resumed", **kwargs))
     quantkit.quantize(str(tiny_llama_dir), "gptq", output=tmp_path / "resumed", resume=True, **kwargs)
     a, b = (tmp_path / d / "model.safetensors" for d in ("whole", "resumed"))
     assert a.read_bytes() == b.read_bytes()

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import quantkit
-from conftest import perturb_norms
+from conftest import interrupt_after_first_layer, perturb_norms
 from quantkit.errors import QuantkitError
 from quantkit.models import get_adapter
 from quantkit.models.experts import RoutedExperts
@@ -531,21 +531,11 @@ def test_smoothquant_smoothing_reaches_the_router_and_keeps_the_function(family)
 def test_moe_resume_restores_experts_and_their_counts_byte_for_byte(model_dir, tmp_path, monkeypatch):
     """Interrupted after layer 0: the resumed run restores that layer's per-expert results and token
     counts from the progress record and writes the same bytes as an uninterrupted run."""
-    from quantkit.progress import ProgressStore
-
     args = dict(num_samples=4, seq_len=32, progress=False, moe_calibration="routed", moe_min_tokens=40)
     src = str(model_dir("olmoe"))
     ref = quantkit.quantize(src, "gptq", bits=4, group_size=32, output=tmp_path / "ref", **args)
-    save = ProgressStore.save_layer
-
-    def save_then_stop(self, record):
-        save(self, record)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(ProgressStore, "save_layer", save_then_stop)
-    with pytest.raises(KeyboardInterrupt):
-        quantkit.quantize(src, "gptq", bits=4, group_size=32, output=tmp_path / "out", **args)
-    monkeypatch.setattr(ProgressStore, "save_layer", save)
+    interrupt_after_first_layer(
+        monkeypatch, lambda: quantkit.quantize(src, "gptq", bits=4, group_size=32, output=tmp_path / "out", **args))
     resumed = quantkit.quantize(src, "gptq", bits=4, group_size=32, output=tmp_path / "out", resume=True, **args)
     assert resumed["moe"]["layers"] == ref["moe"]["layers"]
     for f in ("model.safetensors", "README.md", "moe_calibration.json", "config.json"):

@@ -159,22 +159,22 @@ class LayerByLayer:
         residency.restore(self.layers[i], self.layer_prefix(i), record)
         self.layer_stats[i] = record.stats
         if self.float_stream:  # the restored layer is quantized: its unquantized outputs were saved
-            self.restore_float_stream(i)
+            hidden = self.saved_stream(i, [h for h, _ in self.inputs])
+            if hidden is None:
+                raise QuantkitError(f"--resume: the staging folder has no unquantized hidden states after layer "
+                                    f"{i}; delete it and start over")
+            self.inputs[:] = [(h.to(old.device, old.dtype), kw) for h, (old, kw) in zip(hidden, self.inputs)]
         else:
             self.advance(i, None)
         if self.reference is not None:
-            saved = self.store.load_reference(i)
-            self.reference = split_rows(join_rows(saved), self.reference) if saved else self.reference
+            self.reference = self.saved_stream(i, self.reference) or self.reference
         return record.quantized
 
-    def restore_float_stream(self, i: int) -> None:
-        """On resume: the unquantized hidden states after layer i, as persist saved them."""
+    def saved_stream(self, i: int, like: list) -> Optional[list]:
+        """The unquantized hidden states persist saved after layer i, cut into batches shaped like
+        `like`'s (this process's rows of them); None when the store has none."""
         saved = self.store.load_reference(i)
-        if saved is None:
-            raise QuantkitError(f"--resume: the staging folder has no unquantized hidden states after layer {i}; "
-                                "delete it and start over")
-        hidden = split_rows(join_rows(saved), [h for h, _ in self.inputs])
-        self.inputs[:] = [(h.to(old.device, old.dtype), kw) for h, (old, kw) in zip(hidden, self.inputs)]
+        return split_rows(join_rows(saved), like) if saved else None
 
     def persist(self, i: int, layer_results: dict[str, QuantizedWeight]) -> None:
         """Saved before the layer returns to its storage dtype (resume restores exactly this)."""
