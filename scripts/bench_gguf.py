@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import math
 import time
 from pathlib import Path
 
@@ -91,16 +90,16 @@ def llama_quantize(src: Path, dst: Path, ftype_name: str, threads: int, imatrix:
 
 
 def scores(logits: list[torch.Tensor], ref: list[torch.Tensor], windows: torch.Tensor) -> dict:
-    nll, n, kls, top1 = 0.0, 0, [], []
+    """Perplexity, KL and top-1 of `logits` against `ref`, window by window, through quantkit's own
+    running totals (`scoring.Comparison`, the numbers `quantkit eval` prints), in float64 here because
+    llama.cpp's logits and the reference come from different runtimes."""
+    from quantkit.scoring import Comparison
+
+    acc = Comparison()
     for lg, rf, row in zip(logits, ref, windows):
-        lp, rp = F.log_softmax(lg[:-1].double(), -1), F.log_softmax(rf[:-1].double(), -1)
-        nll += float(F.nll_loss(lp, row[1:], reduction="sum"))
-        n += row.numel() - 1
-        kls.append((rp.exp() * (rp - lp)).sum(-1))
-        top1.append(lp.argmax(-1) == rp.argmax(-1))
-    kl = torch.cat(kls)
-    return {"ppl": math.exp(nll / n), "kl_mean": float(kl.mean()), "kl_p99": float(torch.quantile(kl.float(), 0.99)),
-            "top1": float(torch.cat(top1).float().mean())}
+        acc.add(F.log_softmax(lg[:-1].double(), -1), F.log_softmax(rf[:-1].double(), -1), row[1:])
+    s = acc.summary()
+    return {"ppl": s["perplexity"], "kl_mean": s["kl_mean"], "kl_p99": s["kl_p99"], "top1": s["top1_agreement"]}
 
 
 FLOAT_TYPES = ("F16", "BF16")  # written by `convert` from the unquantized model
