@@ -22,7 +22,7 @@ from quantkit.models.experts import RoutedExperts
 from quantkit.pipeline import quantize_model
 from quantkit.pipeline.experts import ExpertPolicy, experts_unfused
 from quantkit.quantizers.base import get_quantizer
-from quantkit.scheme import QuantScheme
+from quantkit.scheme import LinearScheme, QuantScheme
 from test_gptq_core import assert_codes_match, hessian_of, plain_gptq
 
 VOCAB = 49152  # the demo tokenizer's, so `quantize` can calibrate on real text
@@ -221,17 +221,25 @@ def test_expert_without_tokens_falls_back_to_rtn_visibly_and_all_calibrates_ever
     assert "`model.layers.1.mlp.experts.3`" in (tmp_path / "routed" / "README.md").read_text()
     report = json.loads((tmp_path / "routed" / "moe_calibration.json").read_text())
     assert report["per_expert"]["model.layers.1.mlp.experts"]["routed_tokens"][3] == 0
-    # the uncalibrated expert is a real RTN of its weights: finite, non-zero, within half a step
+    # the uncalibrated expert is a real RTN of its weights: finite, non-zero, and what `--method rtn`
+    # writes for that weight (GPTQ's default range search, mse, is RTN's default too)
     original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).model.layers[1].mlp.experts
     loaded = quantkit.load(tmp_path / "routed", backend="reference", dtype="float32")
     i = original.intermediate_dim
+    rtn = get_quantizer("rtn")
     for proj, w in (("gate_proj", original.gate_up_proj[3, :i]), ("up_proj", original.gate_up_proj[3, i:]),
                     ("down_proj", original.down_proj[3])):
         qw = loaded.get_submodule(f"model.layers.1.mlp.experts.3.{proj}").quantized_weight()
         deq = qw.dequantize()
         assert torch.isfinite(deq).all() and deq.abs().sum() > 0
-        step = qw.scales.repeat_interleave(32, dim=1)  # half a step, and the fp16 rounding of the scale at the edge
-        assert ((deq - w.detach()).abs() <= step * 0.51).all(), proj
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight.data = w.detach().clone()
+        want = rtn.quantize_linear(proj, lin, LinearScheme(bits=4, group_size=32, sym=qw.sym))
+        assert torch.equal(qw.qweight.to(torch.uint8), want.qweight) and torch.equal(qw.scales.float(), want.scales.float()), proj
+        # within half a step of the weight wherever the range search did not clamp it
+        step = qw.scales.repeat_interleave(32, dim=1)
+        inside = deq.abs() < 7 * step
+        assert ((deq - w.detach()).abs()[inside] <= step[inside] * 0.51).all(), proj
     # all: every expert calibrated on every calibration token, none left uncalibrated
     everything = quantkit.quantize(str(src), "gptq", bits=4, group_size=32, output=tmp_path / "all", num_samples=4,
                                    seq_len=32, progress=False, moe_calibration="all")

@@ -158,8 +158,9 @@ class Quantizer(Step):
     def quantize_uncalibrated(self, name: str, module: nn.Linear, scheme: LinearScheme) -> QuantizedWeight:
         """`name` quantized without calibration data, when the pipeline has too few tokens for it (a MoE
         expert the router seldom chose): what was observed for it is dropped and the weight is rounded
-        to nearest on this quantizer's grid, labelled with the act-order the run declares (its trivial
-        g_idx is valid under it), so the checkpoint keeps one scheme."""
+        to nearest on this quantizer's grid (with its range search: `uncalibrated_grid_options`),
+        labelled with the act-order the run declares (its trivial g_idx is valid under it), so the
+        checkpoint keeps one scheme."""
         from quantkit.ggml_types import ggml_type
         from quantkit.quantizers.gguf_grid import rtn_on_grid
         from quantkit.quantizers.grid import rtn_quantize
@@ -167,9 +168,16 @@ class Quantizer(Step):
         self.discard(name)
         if scheme.grid is not None:
             return rtn_on_grid(module.weight.data, ggml_type(scheme.grid), module.bias)
-        qw = rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias)
+        qw = rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias,
+                          **self.uncalibrated_grid_options())
         qw.act_order = self.planned_spec(LinearSpec.of(qw)).act_order
         return qw
+
+    def uncalibrated_grid_options(self) -> dict[str, Any]:
+        """How a group's range is chosen for a weight rounded without data: the range search this
+        quantizer's own groups get (GPTQ's and RTN's `mse`, RTN's `sym_range`), so a fallback expert
+        sits on the same kind of grid as its calibrated neighbours; plain min/max where it has none."""
+        return {"mse": bool(self.options.get("mse", False)), "sym_range": self.options.get("sym_range", "centred")}
 
     def discard(self, name: str) -> None:
         """Forget what was observed for `name` (it is being quantized without it)."""
