@@ -337,19 +337,24 @@ def test_driver_end_to_end_tiny():
 @pytest.mark.slow
 def test_demo_awq_beats_rtn_by_kl(demo_bench):
     """KL to the original on held-out Lee (8 windows of 512): AWQ w4g64 asym, clip on and off, against
-    RTN on the same grid. Sized for CI's two cores: 8 x 128 calibration tokens, and the attention
-    scale search on the first 256 of them (the default 2048 would run it over all 8 sequences, each
-    its own reduction leaf: one forward per sequence per grid point). Measured: RTN 0.326, AWQ 0.140, AWQ without clipping 0.160.
+    RTN on the same grid. Sized for CI's two cores: 8 x 128 calibration tokens, the attention scale
+    search on the first 256 of them (the default 2048 would run it over all 8 sequences, each its own
+    reduction leaf: one forward per sequence per grid point), and 10-point alpha and clip grids (the
+    defaults' 20 double the time, spent mostly fake-quantizing weights per grid point).
+    Measured (2026-12-02, 10-point grids): RTN (defaults: mse range search) 0.349, AWQ 0.153, AWQ
+    without clipping 0.166, i.e. 0.44x and 0.48x RTN; AWQ is deterministic, so the bounds below only
+    leave room for other platforms' arithmetic.
     """
     size = dict(bits=4, group_size=64, sym=False, samples=8, seq_len=128, measure="kl")
     rtn = demo_bench.quantized(Recipe.of(get_quantizer("rtn")), **size, key="rtn-w4g64-asym-kl")
-    awq = AWQTransform(max_search_tokens=256)
+    grids = dict(max_search_tokens=256, n_grid=10, clip_n_grid=10)
+    awq = AWQTransform(**grids)
     kl_awq = demo_bench.quantized(awq, **size)
-    kl_noclip = demo_bench.quantized(AWQTransform(clip=False, max_search_tokens=256), **size)
+    kl_noclip = demo_bench.quantized(AWQTransform(clip=False, **grids), **size)
     alphas = [[g["alpha"] for g in awq.search_log[i]["groups"]] for i in sorted(awq.search_log)]
     print(f"\nKL to the original on held-out lee: rtn-w4g64-asym {rtn:.4f} awq {kl_awq:.4f} awq-noclip {kl_noclip:.4f}"
           f"\n  alphas per layer: {alphas}")
-    assert kl_awq < 0.6 * rtn and kl_noclip < 0.75 * rtn
+    assert kl_awq < 0.55 * rtn and kl_noclip < 0.6 * rtn
     assert kl_awq <= kl_noclip * 1.02  # clipping on is no worse than off
 
 
