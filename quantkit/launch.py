@@ -161,10 +161,24 @@ def _copy_quietness(quiet: dict) -> None:
         datasets.disable_progress_bars()
 
 
+def _share_cores(world: int) -> None:
+    """Give each local rank its share of this machine's cores for torch's intra-op threads (what
+    torchrun's OMP_NUM_THREADS does, but a share, not 1): every rank would otherwise start one thread
+    per core, and N ranks' threads spinning on the same cores cost more than the work (measured in
+    scripts/bench_distributed.py). A user's OMP_NUM_THREADS wins."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // world))
+
+
 def _rank_main(rank: int, world: int, port: int, target: Callable[..., Any], kwargs: dict, results, quiet: dict) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _copy_quietness(quiet)
+    _share_cores(world)
     from tqdm.std import tqdm
 
     # tqdm's default lock is a multiprocessing semaphore: a killed rank would leave it registered

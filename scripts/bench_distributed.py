@@ -6,10 +6,11 @@ For each method the real CLI quantizes once in one process and once per `--nproc
 checkpoints must be identical file by file. Each run's summary carries the bytes its collectives
 moved (tree sums of the statistics, gathered samples, maxima, counts); per layer is that over the
 decoder layers. For GPTQ a profile of the one-process run splits each layer's time into what the
-ranks share out (the calibration forward and the Hessian products) and what every rank repeats
-(the GPTQ solves), so that
+ranks share out by samples (the calibration forward and the Hessian products, P), the GPTQ solves
+(S_1) and one rank's row share of them at N ranks (S_N, solved again for the timing: the solve's
+column loop is partly dispatch-bound, so S_N > S_1 / N), so that
 
-    T(N) = P / N + S + C(N),   C(N) = 2 (N - 1) / N * bytes / bandwidth   per layer
+    T(N) = P / N + S_N + C(N),   C(N) = 2 (N - 1) / N * bytes / bandwidth   per layer
 
 can be evaluated, here and for Llama-3-8B's shapes next to llm-compressor's published distributed
 GPTQ figures (745 s on 1 GPU, 372 s on 2, 264 s on 4; docs/guides/big_models_and_distributed/
@@ -35,6 +36,7 @@ from pathlib import Path
 # (q/k/v share one, o, gate/up share one, down): the fp32 Hessians a layer reduces
 LLAMA3_8B = {"layers": 32, "hessian_floats": 3 * 4096 ** 2 + 14336 ** 2}
 LLMCOMPRESSOR_8B_GPTQ_S = {1: 745.03, 2: 372.20, 4: 264.07}  # max_time, distributed_oneshot.md, v0.10.0
+SHARE_RANKS = (2, 4, 8)
 
 
 def tree_sha256(folder: Path) -> dict[str, str]:
@@ -62,7 +64,9 @@ def quantize(args, method: str, nproc: int, out: Path) -> dict:
 
 
 def profile_gptq(args) -> dict:
-    """One process, in this process: per decoder layer, all of its time and its GPTQ solves' time."""
+    """One process, in this process: per decoder layer, all of its time, its GPTQ solves' time, and the
+    time of one rank's row share of each solve at 2, 4 and 8 ranks (solved again here, untimed in the
+    layer's total)."""
     import torch
     import transformers
 
@@ -71,31 +75,48 @@ def profile_gptq(args) -> dict:
     from quantkit.models import get_adapter
     from quantkit.pipeline import quantize_model
     from quantkit.quantizers.gptq import GPTQQuantizer
+    from quantkit.quantizers.gptq_core import gptq_quantize
+    from quantkit.quantizers.gptq_shares import SharedSolver, row_share
     from quantkit.scheme import QuantScheme
     from quantkit.sources import load_source_model
 
-    class TimedGPTQ(GPTQQuantizer):
-        solve_total = 0.0
+    class TimedSolver(SharedSolver):
+        def __init__(self):
+            super().__init__()
+            self.whole, self.shares, self.spent = 0.0, {n: 0.0 for n in SHARE_RANKS}, 0.0
 
-        def end_layer(self, ctx):  # a stacked solve's seconds are in each of its linears' stats: count them once
-            self.solve_total += sum(s["seconds"] / (1 + len(s.get("solved_with", ()))) for s in self.layer_stats.values())
-            super().end_layer(ctx)
+        def solve(self, comm, name, weight, H, qparams=None, **options):
+            t0 = time.perf_counter()
+            result = super().solve(comm, name, weight, H, qparams=qparams, **options)
+            t1 = time.perf_counter()
+            self.whole += t1 - t0
+            for n in SHARE_RANKS:
+                rows = row_share(weight.shape[0], 0, n)
+                t = time.perf_counter()
+                gptq_quantize(weight[rows], H, qparams=None if qparams is None else tuple(q[rows] for q in qparams),
+                              **options)
+                self.shares[n] += time.perf_counter() - t
+            self.spent += time.perf_counter() - t1
+            return result
 
     transformers.utils.logging.disable_progress_bar()
     model, tok, *_ = load_source_model(args.model, dtype=None)
     ids = data.calibration_batches("lee", tok, num_samples=args.num_samples, seq_len=args.seq_len, seed=0)
     schemes = QuantScheme(bits=4, group_size=64).resolve(linear_shapes(model))
-    gptq = TimedGPTQ()
+    gptq = GPTQQuantizer()
+    gptq.solver = solver = TimedSolver()
     t0 = time.perf_counter()
     quantize_model(model, get_adapter(model), gptq, schemes, ids, batch_size=args.num_samples, progress=False)
-    total = time.perf_counter() - t0
+    total = time.perf_counter() - t0 - solver.spent
     layers = len(get_adapter(model).decoder_layers(model))
-    return {"layers": layers, "layer_s": total / layers, "solve_s": gptq.solve_total / layers,
+    return {"layers": layers, "layer_s": total / layers, "solve_s": solver.whole / layers,
+            "share_s": {1: solver.whole / layers, **{n: v / layers for n, v in solver.shares.items()}},
             "threads": torch.get_num_threads()}
 
 
-def model_time(parallel: float, serial: float, bytes_: float, n: int, bandwidth: float) -> float:
-    return parallel / n + serial + (2 * (n - 1) / n * bytes_ / bandwidth if n > 1 else 0.0)
+def model_time(parallel: float, solve: float, bytes_: float, n: int, bandwidth: float) -> float:
+    """Seconds per layer on n ranks: the shared-out work, one rank's share of the solves, communication."""
+    return parallel / n + solve + (2 * (n - 1) / n * bytes_ / bandwidth if n > 1 else 0.0)
 
 
 def main() -> None:
@@ -140,22 +161,25 @@ def main() -> None:
 def report_model(prof: dict, rows: list, bandwidth: float) -> None:
     gptq = next((r for r in rows if r["method"] == "gptq"), None)
     bytes_layer = gptq["traffic"].get("tree_sum", 0) / prof["layers"] if gptq else 0.0
-    parallel, serial = prof["layer_s"] - prof["solve_s"], prof["solve_s"]
+    parallel, shares = prof["layer_s"] - prof["solve_s"], prof["share_s"]
     print(f"\nGPTQ, one process ({prof['threads']} threads): {prof['layer_s']:.2f} s per layer, of which the solves "
-          f"(repeated on every rank) {serial:.2f} s; reduced per layer {bytes_layer / 1e6:.1f} MB")
-    for n in (1, 2, 4, 8):
-        t = model_time(parallel, serial, bytes_layer, n, bandwidth)
+          f"{prof['solve_s']:.2f} s; one rank's row share of them: "
+          + ", ".join(f"{shares[n]:.2f} s at {n} ranks ({shares[n] / shares[1]:.2f}x)" for n in SHARE_RANKS)
+          + f"; reduced per layer {bytes_layer / 1e6:.1f} MB")
+    for n in (1, *SHARE_RANKS):
+        t = model_time(parallel, shares[n], bytes_layer, n, bandwidth)
         print(f"  model, {n} ranks at {bandwidth / 1e9:.0f} GB/s: {t:.2f} s per layer, speed-up {prof['layer_s'] / t:.2f}x "
               f"(communication {model_time(0, 0, bytes_layer, n, bandwidth) * 1e3:.1f} ms)")
     b8 = LLAMA3_8B["hessian_floats"] * 4
     t1 = LLMCOMPRESSOR_8B_GPTQ_S[1]
+    share = prof["solve_s"] / prof["layer_s"]  # this run's solve share, carried over to 8B as an assumption
     print(f"\nLlama-3-8B: {b8 / 1e9:.2f} GB of fp32 Hessians per layer; at {bandwidth / 1e9:.0f} GB/s their all-reduce costs "
           f"{model_time(0, 0, b8, 4, bandwidth) * LLAMA3_8B['layers']:.1f} s over 32 layers on 4 ranks")
     for n, measured in LLMCOMPRESSOR_8B_GPTQ_S.items():
-        share = serial / prof["layer_s"]  # this run's repeated share, carried over to 8B as an assumption
-        predicted = t1 * ((1 - share) / n + share) + model_time(0, 0, b8, n, bandwidth) * LLAMA3_8B["layers"]
+        predicted = (t1 * ((1 - share) / n + share * shares[n] / shares[1])
+                     + model_time(0, 0, b8, n, bandwidth) * LLAMA3_8B["layers"])
         print(f"  {n} GPUs: llm-compressor {measured:.0f} s ({t1 / measured:.2f}x); this model with the solve share "
-              f"measured here ({share:.0%}) kept on every rank: {predicted:.0f} s ({t1 / predicted:.2f}x)")
+              f"({share:.0%}) and its row-share scaling measured here: {predicted:.0f} s ({t1 / predicted:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -133,6 +133,80 @@ def test_collectives_on_four_gloo_ranks(tmp_path):
         assert bytes(r["bytes"].tolist()) == b"from rank 0"
 
 
+# ------------------------------------------------------------------ GPTQ's solves shared out by rows
+
+SOLVE = dict(bits=4, group_size=16, sym=False, act_order=True, static_groups=True, mse=True)
+
+
+def _solve_inputs(rows: int):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(512, 64, generator=g) * torch.rand(64, generator=g) * 3
+    return torch.randn(rows, 64, generator=g) * 0.05, 2 * x.t() @ x / 512
+
+
+def _shared_solver_rank(rank: int, world: int, port: int, out: str) -> None:
+    import warnings
+
+    from quantkit.errors import QuantkitError
+    from quantkit.pipeline.distributed import join_group, leave_group
+    from quantkit.quantizers import gptq_shares
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    comm = join_group(torch.device("cpu"), 60)
+    solver = gptq_shares.SharedSolver()
+    result = {}
+    for label, rows in (("first", 37), ("again", 37), ("other", 40)):
+        qw, stats = solver.solve(comm, label, *_solve_inputs(rows), **SOLVE)
+        result[label] = [qw.qweight, qw.scales, qw.zeros, qw.g_idx, stats["row_loss"]]
+    result["gathered"] = torch.tensor(comm.traffic["gather"])
+    # a shape whose row shares do not reproduce the whole solve: one warning, then solved whole everywhere
+    gptq_shares.same_result = lambda a, b: False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            qw, _ = solver.solve(comm, "odd", *_solve_inputs(21), **SOLVE)
+    result["odd"] = [qw.qweight, qw.scales, qw.zeros, qw.g_idx]
+    result["odd_warnings"] = torch.tensor(sum("did not reproduce" in str(w.message) for w in caught))
+    # a failure in the last rank's share only: every rank stops with its message
+    weight, H = _solve_inputs(37)
+    weight[-1, 0] = float("nan")
+    try:
+        solver.solve(comm, "poisoned", weight, H, **SOLVE)
+        message = ""
+    except QuantkitError as exc:
+        message = str(exc)
+    result["error"] = torch.tensor(list(message.encode()), dtype=torch.uint8)
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    leave_group()
+
+
+def test_ranks_share_each_gptq_solve_by_rows_and_all_hold_the_whole_solve(tmp_path):
+    """Four ranks each solve a share of the rows (37 rows: unequal shares) and gather them: every rank
+    holds exactly what one whole solve gives (codes, scales, zeros, g_idx, per-row losses), and the
+    shares did travel. A shape whose shares are declared different is solved whole on every rank,
+    with one warning; a failure in one rank's share stops every rank with that rank's message."""
+    import torch.multiprocessing as mp
+
+    from quantkit.launch import free_port
+    from quantkit.quantizers.gptq_core import gptq_quantize
+
+    world = 4
+    mp.start_processes(_shared_solver_rank, args=(world, free_port(), str(tmp_path)), nprocs=world,
+                       start_method="spawn")
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    whole = {}
+    for rows in (37, 40, 21):
+        qw, stats = gptq_quantize(*_solve_inputs(rows), **SOLVE)
+        whole[rows] = [qw.qweight, qw.scales, qw.zeros, qw.g_idx, stats["row_loss"]]
+    for r in got:
+        for label, rows in (("first", 37), ("again", 37), ("other", 40)):
+            assert all(torch.equal(a, b) for a, b in zip(r[label], whole[rows], strict=True)), label
+        assert all(torch.equal(a, b) for a, b in zip(r["odd"], whole[21][:4], strict=True))
+        assert int(r["gathered"]) >= 37 * 64  # the codes of the first solve, at least
+        assert "NaN" in bytes(r["error"].tolist()).decode()
+    assert int(got[0]["odd_warnings"]) == 1  # rank 0 found it, once; the others were told
+
+
 _EXIT_PROBE = """
 import os, sys, datetime, torch, torch.distributed as dist
 from quantkit.pipeline.distributed import exit_process

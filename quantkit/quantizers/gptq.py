@@ -16,8 +16,8 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.ggml_types import ggml_type
 from quantkit.quantizers.base import LayerContext, Quantizer, register_step
-from quantkit.quantizers.gptq_core import (CrossAccumulator, HessianAccumulator, act_order_kind, asymmetric_target,
-                                           gptq_quantize)
+from quantkit.quantizers.gptq_core import CrossAccumulator, HessianAccumulator, act_order_kind, asymmetric_target
+from quantkit.quantizers.gptq_shares import SharedSolver
 from quantkit.quantizers.gguf_grid import choose_grid
 from quantkit.scheme import LinearScheme
 
@@ -64,6 +64,7 @@ class GPTQQuantizer(Quantizer):
         self._stage_mates: dict[str, list[str]] = {}
         self._stacked: dict[str, tuple] = {}  # results solved along with an earlier linear of the stage
         self._ctx: LayerContext | None = None
+        self.solver = SharedSolver()  # data-parallel runs: each rank solves a share of the rows
         self.layer_stats: dict[str, dict] = {}
 
     def begin_layer(self, ctx: LayerContext) -> None:
@@ -141,8 +142,9 @@ class GPTQQuantizer(Quantizer):
         # H's diagonal being one (llama-imatrix's mean squared activation per input column, up to scale)
         grid = (None if scheme.grid is None
                 else choose_grid(weight, ggml_type(scheme.grid), importance=torch.diagonal(H)))
-        qw, stats = gptq_quantize(
-            weight if grid is None else grid.shifted(weight), H, bits=scheme.bits, group_size=scheme.group_size,
+        comm = self._ctx.samples.comm if self._ctx.samples is not None else None
+        qw, stats = self.solver.solve(
+            comm, name, weight if grid is None else grid.shifted(weight), H, bits=scheme.bits, group_size=scheme.group_size,
             sym=scheme.sym, block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
             act_order=bool(o["desc_act"]), static_groups=bool(o["static_groups"]), mse=bool(o["mse"]),
             qparams=None if grid is None else (grid.scale, grid.zero),

@@ -224,10 +224,11 @@ def asymmetric_target(weight: torch.Tensor, H: torch.Tensor, D: torch.Tensor, al
     dead = diag == 0
     diag[dead] = 1.0
     diag.add_(damp_percent * float(diag.mean()))
-    L, info = torch.linalg.cholesky_ex(Hd)
-    if int(info) != 0:
-        raise HessianError("GPTAQ: the damped Hessian is not positive definite; raise damp_percent")
-    correction = torch.cholesky_solve((weight.to(torch.float64) @ D.to(torch.float64)).t(), L).t()
+    with _single_thread_on_cpu(Hd.device):  # thread-count-free bits, as _cholesky_inverse_upper's
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if int(info) != 0:
+            raise HessianError("GPTAQ: the damped Hessian is not positive definite; raise damp_percent")
+        correction = torch.cholesky_solve((weight.to(torch.float64) @ D.to(torch.float64)).t(), L).t()
     return (weight.to(torch.float64) + alpha * correction).to(weight.dtype)
 
 
@@ -241,9 +242,12 @@ def act_order_kind(act_order: bool, static_groups: bool, group_size: int) -> str
 
 @contextmanager
 def _single_thread_on_cpu(device: torch.device):
-    """The column loop is thousands of tiny ops: on CPU, thread fan-out costs more than it saves
-    (and on a busy machine each op can stall for milliseconds), so the column loop runs on one
-    thread; the factorisations before it (O(K^3)) keep them all."""
+    """On CPU, run the block on one thread. The column loop is thousands of tiny ops: thread fan-out
+    costs more than it saves (and on a busy machine each op can stall for milliseconds). The
+    factorisations (Cholesky, triangular solves) round differently with another thread count, and
+    a data-parallel rank holds only a share of the cores (quantkit.launch), so they run on one
+    thread too: the checkpoint then does not depend on how many threads any process had (a 1536-wide
+    factorisation costs ~0.2 s on one thread against ~0.14 s on two)."""
     if device.type != "cpu":
         yield
         return
@@ -466,7 +470,8 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
             )
         Hd = H.clone()
         torch.diagonal(Hd).add_(pct * mean_diag)
-        Hinv = _cholesky_inverse_upper(Hd)
+        with _single_thread_on_cpu(dev):
+            Hinv = _cholesky_inverse_upper(Hd)
         del Hd
         if Hinv is not None:
             used_pct = pct
