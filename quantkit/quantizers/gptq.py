@@ -3,7 +3,8 @@
 True-sequential (default on) quantizes q/k/v, then o, then gate/up, then down, so later linears see
 the earlier ones already quantized (inside one forward pass when calibration is one batch, else
 re-running the layer between stages). Linears of one stage that share their input and scheme
-(q/k/v, gate/up) are solved as one stacked matrix.
+(q/k/v, gate/up) are solved as one stacked matrix. In a data-parallel run each rank solves a share
+of that matrix's rows (quantkit.quantizers.gptq_shares).
 """
 from __future__ import annotations
 
