@@ -143,7 +143,7 @@ class GPTQQuantizer(Quantizer):
         # H's diagonal being one (llama-imatrix's mean squared activation per input column, up to scale)
         grid = (None if scheme.grid is None
                 else choose_grid(weight, ggml_type(scheme.grid), importance=torch.diagonal(H)))
-        comm = self._ctx.samples.comm if self._ctx.samples is not None else None
+        comm = self._ctx.samples.comm if self._ctx is not None and self._ctx.samples is not None else None
         qw, stats = self.solver.solve(
             comm, name, weight if grid is None else grid.shifted(weight), H, bits=scheme.bits, group_size=scheme.group_size,
             sym=scheme.sym, block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
