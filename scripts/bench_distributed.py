@@ -76,7 +76,7 @@ def profile_gptq(args) -> dict:
     from quantkit.pipeline import quantize_model
     from quantkit.quantizers.gptq import GPTQQuantizer
     from quantkit.quantizers.gptq_core import gptq_quantize
-    from quantkit.quantizers.gptq_shares import SharedSolver, row_share
+    from quantkit.quantizers.gptq_shares import SharedSolver, row_share, share_inputs
     from quantkit.scheme import QuantScheme
     from quantkit.sources import load_source_model
 
@@ -91,10 +91,9 @@ def profile_gptq(args) -> dict:
             t1 = time.perf_counter()
             self.whole += t1 - t0
             for n in SHARE_RANKS:
-                rows = row_share(weight.shape[0], 0, n)
+                part, part_qparams = share_inputs(row_share(weight.shape[0], 0, n), weight, qparams)
                 t = time.perf_counter()
-                gptq_quantize(weight[rows], H, qparams=None if qparams is None else tuple(q[rows] for q in qparams),
-                              **options)
+                gptq_quantize(part, H, qparams=part_qparams, **options)
                 self.shares[n] += time.perf_counter() - t
             self.spent += time.perf_counter() - t1
             return result
@@ -109,8 +108,8 @@ def profile_gptq(args) -> dict:
     quantize_model(model, get_adapter(model), gptq, schemes, ids, batch_size=args.num_samples, progress=False)
     total = time.perf_counter() - t0 - solver.spent
     layers = len(get_adapter(model).decoder_layers(model))
-    return {"layers": layers, "layer_s": total / layers, "solve_s": solver.whole / layers,
-            "share_s": {1: solver.whole / layers, **{n: v / layers for n, v in solver.shares.items()}},
+    return {"layers": layers, "layer_s": total / layers,
+            "solve_s": {1: solver.whole / layers, **{n: v / layers for n, v in solver.shares.items()}},
             "threads": torch.get_num_threads()}
 
 
@@ -161,9 +160,10 @@ def main() -> None:
 def report_model(prof: dict, rows: list, bandwidth: float) -> None:
     gptq = next((r for r in rows if r["method"] == "gptq"), None)
     bytes_layer = gptq["traffic"].get("tree_sum", 0) / prof["layers"] if gptq else 0.0
-    parallel, shares = prof["layer_s"] - prof["solve_s"], prof["share_s"]
+    shares = prof["solve_s"]  # ranks -> one rank's share of the solves per layer (1: the whole solves)
+    parallel = prof["layer_s"] - shares[1]
     print(f"\nGPTQ, one process ({prof['threads']} threads): {prof['layer_s']:.2f} s per layer, of which the solves "
-          f"{prof['solve_s']:.2f} s; one rank's row share of them: "
+          f"{shares[1]:.2f} s; one rank's row share of them: "
           + ", ".join(f"{shares[n]:.2f} s at {n} ranks ({shares[n] / shares[1]:.2f}x)" for n in SHARE_RANKS)
           + f"; reduced per layer {bytes_layer / 1e6:.1f} MB")
     for n in (1, *SHARE_RANKS):
@@ -172,7 +172,7 @@ def report_model(prof: dict, rows: list, bandwidth: float) -> None:
               f"(communication {model_time(0, 0, bytes_layer, n, bandwidth) * 1e3:.1f} ms)")
     b8 = LLAMA3_8B["hessian_floats"] * 4
     t1 = LLMCOMPRESSOR_8B_GPTQ_S[1]
-    share = prof["solve_s"] / prof["layer_s"]  # this run's solve share, carried over to 8B as an assumption
+    share = shares[1] / prof["layer_s"]  # this run's solve share, carried over to 8B as an assumption
     print(f"\nLlama-3-8B: {b8 / 1e9:.2f} GB of fp32 Hessians per layer; at {bandwidth / 1e9:.0f} GB/s their all-reduce costs "
           f"{model_time(0, 0, b8, 4, bandwidth) * LLAMA3_8B['layers']:.1f} s over 32 layers on 4 ranks")
     for n, measured in LLMCOMPRESSOR_8B_GPTQ_S.items():

@@ -35,6 +35,11 @@ def row_share(n_rows: int, rank: int, world: int) -> slice:
     return slice(n_rows * rank // world, n_rows * (rank + 1) // world)
 
 
+def share_inputs(rows: slice, weight: torch.Tensor, qparams: Optional[tuple[torch.Tensor, torch.Tensor]]):
+    """The weight rows and fixed-grid parameters (if any) of one row share."""
+    return weight[rows], None if qparams is None else tuple(q[rows] for q in qparams)
+
+
 def same_result(a: tuple[QuantizedWeight, dict], b: tuple[QuantizedWeight, dict]) -> bool:
     """Bit-for-bit the same integers, scales, group map and per-row losses."""
     (qa, sa), (qb, sb) = a, b
@@ -55,9 +60,8 @@ class SharedSolver:
         key = (tuple(weight.shape), qparams is not None, tuple(sorted(options.items())))
         if comm.world == 1 or n < comm.world or self._exact.get(key) is False:
             return gptq_quantize(weight, H, qparams=qparams, **options)
-        rows = row_share(n, comm.rank, comm.world)
-        mine = self._solve_share(comm, name, weight[rows], H, None if qparams is None else tuple(q[rows] for q in qparams),
-                                 options)
+        part, part_qparams = share_inputs(row_share(n, comm.rank, comm.world), weight, qparams)
+        mine = self._solve_share(comm, name, part, H, part_qparams, options)
         whole = self._gather(comm, mine)
         if key in self._exact:
             return whole
