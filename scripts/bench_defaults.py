@@ -49,6 +49,9 @@ VARIANTS = {
     # only the attention block's scale search on 4x more sequences (the token-wise searches as default)
     "awq-attention-sample": ("awq", {"max_search_tokens": 8192}, {}, {}),
     "awq-gptq": ("awq,gptq", {}, {}, {}),
+    # twice as fine: alpha in steps of 1/40, clip ratios in steps of 1/40 (same 0.5 reach)
+    "awq-fine-alpha": ("awq", {"n_grid": 40}, {}, {}),
+    "awq-fine-clip": ("awq", {"clip_n_grid": 40}, {}, {}),
 }
 
 
