@@ -458,7 +458,7 @@ def test_engine_routing_is_each_familys_own(family):
                                rtol=1e-6, atol=1e-7)
 
 
-ENGINE_FAMILIES = [f for f in FAMILIES if f != "deepseek_v3"]
+ENGINE_FAMILIES = FAMILIES
 
 
 def _engine_tokens(model, prompts_, n):
@@ -489,13 +489,6 @@ def test_engine_greedy_tokens_equal_transformers_generate(model_dir, tmp_path, f
     quantkit.quantize(str(source), "rtn", bits=8, group_size=32, output=out, progress=False)
     loaded = quantkit.load(out, backend="reference", dtype="float32")
     assert _engine_tokens(loaded, prompts_, 8) == _hf_tokens(oracle_model(source, out), prompts_, 8)
-
-
-def test_engine_refuses_deepseek_mla_clearly():
-    from quantkit.engine import LLMEngine
-
-    with pytest.raises(QuantkitError, match="MLA"):
-        LLMEngine(build("deepseek_v3"), num_kv_blocks=16)
 
 
 def test_convert_repacks_moe_checkpoints_and_round_trips_bytes(model_dir, tmp_path):
@@ -568,3 +561,39 @@ def test_awq_checkpoint_of_a_moe_model_loads_with_its_folded_router(model_dir, t
         a = quantkit.load(out, backend="reference", dtype="float32")(tokens).logits
         b = original(tokens).logits
     assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
+
+
+def _mla_variant():
+    """DeepSeek-V3 whose MLA shapes differ from the family config: q_proj without a q LoRA, value heads
+    wider than q.k heads (the cache pads them), yarn rope whose mscale changes the softmax scale, rotary
+    pairs not interleaved."""
+    cfg = transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=32, intermediate_size=96, n_routed_experts=8,
+        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=24, rope_interleave=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 32})
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, experts_implementation="eager").eval()
+    perturb_norms(model)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj is not None and attn.scaling != (8 + 8) ** -0.5  # the shapes this variant is for
+    return model
+
+
+@pytest.mark.parametrize("variant", ["family", "plain-q-padded-v-yarn"])
+def test_engine_mla_logits_and_tokens_equal_transformers(variant):
+    """DeepSeek's multi-head latent attention in the engine (latents expanded per head into the paged
+    cache): logits at every prompt position match transformers' forward, and greedy tokens match
+    its generate, for the family config (q LoRA, interleaved rotary pairs) and the variant."""
+    from quantkit.engine import LLMEngine
+
+    model = build("deepseek_v3") if variant == "family" else _mla_variant()
+    assert model.config.rope_interleave == (variant == "family")
+    x = ids(2, 21, seed=31)
+    with torch.no_grad():
+        want = model(x).logits
+    got = LLMEngine(model, block_size=4, num_kv_blocks=64, max_num_seqs=2).prompt_logits(x)
+    torch.testing.assert_close(got.float(), want, rtol=1e-5, atol=1e-5)
+    prompts_ = [ids(1, n, seed=20 + n)[0].tolist() for n in (6, 17, 11)]
+    assert _engine_tokens(model, prompts_, 16) == _hf_tokens(model, prompts_, 16)

@@ -92,6 +92,7 @@ class LayerPlan:
     gated: bool
     moe: Optional[Callable] = None  # a sparse layer's MoE block, [N, hidden] -> [N, hidden] (engine.moe)
     qk_norm_whole: bool = False  # q/k norms over the whole projection, before the heads split (OLMoE)
+    latent: Optional[Callable] = None  # MLA: (h, rope) -> q, k, v per head (engine.latent_attention)
 
 
 @dataclass
@@ -110,6 +111,8 @@ class DecoderModel:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    attention_scale: Optional[float] = None  # None: head_dim^-0.5 (or 1 where the model scales q itself)
+    value_dim: Optional[int] = None  # per-head channels o_proj reads, when the cache's head_dim is padded (MLA)
 
     @classmethod
     def build(cls, model: nn.Module, fuse_projections: bool, lm_head_quant: Optional[str] = None) -> "DecoderModel":
@@ -125,6 +128,12 @@ class DecoderModel:
         fused = [_fuse(layer, layout, s) if fuse_projections else (None, None) for layer, s in zip(layers, sparse)]
         num_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        latent = layout.attention.latent
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+        if latent is not None:  # K/V expanded per head, padded to one head_dim
+            from quantkit.engine.latent_attention import cache_head_dim
+
+            head_dim, num_kv_heads = cache_head_dim(latent), num_heads
         plans = [_plan(layer, layout, qkv, gate_up, dtype, head_dim, s)
                  for layer, (qkv, gate_up), s in zip(layers, fused, sparse)]
         post = [_post_fn(module, layout, dtype) for _, module in adapter.post_layers(model)]
@@ -140,8 +149,9 @@ class DecoderModel:
             if not isinstance(lm_head, nn.Linear):
                 raise QuantkitError(f"lm_head_quant needs a plain linear LM head, not {type(lm_head).__name__}")
             head = quantized_head_fn(lm_head.weight, lm_head.bias, lm_head_quant, dtype)
-        return cls(layout, embed, project_in, positions, plans, fused, post, lm_head, head,
-                   num_heads, getattr(cfg, "num_key_value_heads", None) or num_heads, head_dim, dtype)
+        return cls(layout, embed, project_in, positions, plans, fused, post, lm_head, head, num_heads, num_kv_heads,
+                   head_dim, dtype, latent.scale if latent else None,
+                   latent.v_dim if latent and latent.v_dim != head_dim else None)
 
 
 def _post_fn(module: nn.Module, layout: DecoderLayout, dtype: torch.dtype) -> Callable:
@@ -170,6 +180,8 @@ def _plan(layer: nn.Module, layout: DecoderLayout, fused_qkv, fused_gate_up, dt:
     would build (pack) its own backend, a second copy of the fused weight the forward never calls."""
     attn = layout.attention
     mm = functools.partial(_matmul_at, layer, dt)
+    if attn.latent is not None:
+        return _latent_plan(layer, layout, dt, sparse)
     qkv = fused_qkv.matmul_fn(dt) if fused_qkv is not None else (mm(attn.qkv[0]) if len(attn.qkv) == 1 else None)
     apart = qkv is None
     qk_norm = [norm_fn(resolve(layer, n), RMS) if n else None for n in (attn.q_norm, attn.k_norm)]
@@ -180,6 +192,18 @@ def _plan(layer: nn.Module, layout: DecoderLayout, fused_qkv, fused_gate_up, dt:
         v=mm(attn.qkv[2]) if apart else None, q_norm=qk_norm[0], k_norm=qk_norm[1],
         query_scale=head_dim ** -0.5 if attn.query_scaled else None, o=mm(attn.out),
         qk_norm_whole=attn.qk_norm_whole, **_mlp_fns(layer, layout, fused_gate_up, dt, sparse))
+
+
+def _latent_plan(layer: nn.Module, layout: DecoderLayout, dt: torch.dtype, sparse: bool) -> LayerPlan:
+    from quantkit.engine.latent_attention import LatentAttention
+
+    mm = functools.partial(_matmul_at, layer, dt)
+    latent = LatentAttention(layer, layout.attention.latent, resolve(layer, "self_attn").num_heads, mm, norm_fn)
+    return LayerPlan(
+        norm_before=layout.norm_before, attn_norm=norm_fn(resolve(layer, layout.attn_norm), layout.norm),
+        mlp_norm=norm_fn(resolve(layer, layout.mlp_norm), layout.norm), qkv=None, q=None, k=None, v=None,
+        q_norm=None, k_norm=None, query_scale=None, o=mm(layout.attention.out), latent=latent,
+        **_mlp_fns(layer, layout, None, dt, sparse))
 
 
 def _mlp_fns(layer: nn.Module, layout: DecoderLayout, fused_gate_up, dt: torch.dtype, sparse: bool) -> dict:

@@ -105,6 +105,8 @@ class ModelRunner:
         self.num_layers = len(self.plans)
         self.num_heads, self.num_kv_heads, self.head_dim = dm.num_heads, dm.num_kv_heads, dm.head_dim
         self.scale = 1.0 if dm.layout.attention.query_scaled else self.head_dim ** -0.5
+        if dm.attention_scale is not None:
+            self.scale = dm.attention_scale
         self.dtype = dm.dtype
         self.block_size = block_size
         self.rotary = RotaryEmbedding.from_config(cfg, self.device) if dm.layout.rotary else None
@@ -277,7 +279,10 @@ class ModelRunner:
             h = p.attn_norm(x) if p.norm_before else x
             q, k, v = self._qkv(p, h, N, rope)
             self.kv_cache.store(i, k, v, meta.slot_mapping, meta.has_skipped_slots)
-            x = x + p.o(self.attention(i, q, k, v, meta).reshape(N, H * D))
+            attn = self.attention(i, q, k, v, meta)
+            if dm.value_dim is not None:  # MLA: drop the padded value channels
+                attn = attn.reshape(N, H, D)[..., :dm.value_dim]
+            x = x + p.o(attn.reshape(N, -1))
             if not p.norm_before:
                 x = p.attn_norm(x)
             x = x + self._mlp(p, p.mlp_norm(x) if p.norm_before else x)
@@ -291,6 +296,8 @@ class ModelRunner:
         """q [N, H, D], k and v [N, KVH, D], rotated (and normed, scaled) as the family does; ``rope``
         is (rotate, cos, signed sin) or None."""
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if p.latent is not None:
+            return p.latent(h, rope)
         if p.qkv is not None:
             qkv = p.qkv(h).view(N, H + 2 * KVH, D)
             if rope is not None and p.q_norm is None and p.query_scale is None:  # q and k rotated as one tensor

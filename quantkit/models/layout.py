@@ -27,6 +27,25 @@ PLAIN = "plain"  # fc2(act(fc1(x)))
 
 
 @dataclass(frozen=True)
+class LatentAttentionLayout:
+    """DeepSeek's multi-head latent attention (MLA), paths relative to the layer: q from ``q`` (q_a_proj,
+    q_a_layernorm, q_b_proj, or q_proj alone), the latent ``kv_a`` [kv_lora_rank | rope_dim] whose first
+    part is normed (``kv_a_norm``) and expanded per head by ``kv_b`` into [nope_dim | v_dim], the second
+    part one rotary key shared by every head; ``interleaved``: rotary pairs (x0, x1), (x2, x3), ... as
+    DeepSeek's checkpoints lay them out; ``scale`` the softmax scale (qk_head_dim^-0.5, yarn's mscale^2)."""
+    q: tuple[str, ...]
+    kv_a: str
+    kv_a_norm: str
+    kv_b: str
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    kv_lora_rank: int
+    interleaved: bool
+    scale: float
+
+
+@dataclass(frozen=True)
 class AttentionLayout:
     qkv: tuple[str, ...]  # (q, k, v) projections, or one fused projection with rows [q | k | v]
     out: str
@@ -34,6 +53,7 @@ class AttentionLayout:
     k_norm: Optional[str] = None
     query_scaled: bool = False  # q = q_proj(x) * head_dim^-0.5 in the model; attention itself unscaled (OPT)
     qk_norm_whole: bool = False  # q/k RMSNorm over the whole projection before the heads split (OLMoE)
+    latent: Optional[LatentAttentionLayout] = None  # MLA (DeepSeek-V3): q, k, v from latents; qkv is ()
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch.nn as nn
 from quantkit.errors import QuantkitError
 from quantkit.models.base import (EXPERT_PROJECTIONS, LINEAR, NORM, AttentionBlock, GatedMLP, InputGroup, MoEBlock,
                                   resolve)
-from quantkit.models.layout import SIGMOID_GROUPED, DecoderLayout, MoELayout
+from quantkit.models.layout import SIGMOID_GROUPED, AttentionLayout, DecoderLayout, LatentAttentionLayout, MoELayout
 from quantkit.models.llama import DOWN, GATE, K, O, Q, UP, V, LlamaAdapter
 
 GATE_UP = ("gate_proj", "up_proj")
@@ -181,6 +181,21 @@ class OlmoeAdapter(MoEAdapter):
         return replace(layout, attention=replace(layout.attention, qk_norm_whole=True))
 
 
+def mla_softmax_scale(config) -> float:
+    """DeepSeek's attention scale: qk_head_dim^-0.5, times yarn's mscale(factor, mscale_all_dim)^2 when the
+    rope is scaled (transformers' yarn_apply_mscale / yarn_get_mscale)."""
+    import math
+
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    mscale_all_dim = params.get("mscale_all_dim", 0) if params.get("rope_type", "default") != "default" else 0
+    if mscale_all_dim:
+        factor = params["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale = scale * mscale * mscale
+    return scale
+
+
 Q_A, Q_B, Q_PLAIN = "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.q_proj"
 KV_A, KV_B = "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj"
 
@@ -215,8 +230,16 @@ class DeepseekV3Adapter(MoEAdapter):
         return None  # MLA: run the module whole
 
     def decoder_layout(self, model: nn.Module) -> DecoderLayout:
-        raise QuantkitError("the engine does not run DeepSeek-V3's multi-head latent attention (MLA) yet; "
-                            "use quantkit.load with transformers' generate, or quantkit eval without --engine")
+        """Llama's layout with MLA attention (the engine expands the latents per head: engine.latent_attention)."""
+        c = model.config
+        q = self._q(self.decoder_layers(model)[0])
+        latent = LatentAttentionLayout(
+            q=(Q_A, "self_attn.q_a_layernorm", Q_B) if len(q) == 2 else (Q_PLAIN,), kv_a=KV_A,
+            kv_a_norm="self_attn.kv_a_layernorm", kv_b=KV_B, nope_dim=int(c.qk_nope_head_dim),
+            rope_dim=int(c.qk_rope_head_dim), v_dim=int(c.v_head_dim), kv_lora_rank=int(c.kv_lora_rank),
+            interleaved=bool(getattr(c, "rope_interleave", False)), scale=mla_softmax_scale(c))
+        layout = super().decoder_layout(model)
+        return replace(layout, attention=AttentionLayout(qkv=(), out=O, latent=latent))
 
     def moe_layout(self, config) -> MoELayout:
         """Sigmoid scores; the choice on score + e_score_correction_bias, limited to the topk_group groups
