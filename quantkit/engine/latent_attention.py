@@ -15,7 +15,7 @@ token instead of the latent), acceptable for the models a CPU engine runs. The m
     q = [q_nope | q_rot], k = [k_nope | k_rot], softmax scale from the layout (not head_dim^-0.5).
 
 q, k and v are zero-padded to one head_dim, max(nope + rope, v): zeros add nothing to q.k and the
-padded output channels are dropped before o_proj (``LatentAttention.value_dim``).
+padded output channels are dropped before o_proj (``DecoderModel.value_dim``, in the runner's forward).
 """
 from __future__ import annotations
 
@@ -44,7 +44,6 @@ class LatentAttention:
                  matmul: Callable[[str], Callable], norm: Callable[[nn.Module, str], Callable]):
         self.latent, self.num_heads = latent, num_heads
         self.head_dim = cache_head_dim(latent)
-        self.value_dim = latent.v_dim
         if len(latent.q) == 3:
             q_a, q_norm, q_b = matmul(latent.q[0]), norm(resolve(layer, latent.q[1]), RMS), matmul(latent.q[2])
             self.q = lambda h: q_b(q_norm(q_a(h)))

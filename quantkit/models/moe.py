@@ -21,6 +21,7 @@ Routers and shared-expert gates stay in full precision (vLLM builds them unquant
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import replace
 
@@ -184,8 +185,6 @@ class OlmoeAdapter(MoEAdapter):
 def mla_softmax_scale(config) -> float:
     """DeepSeek's attention scale: qk_head_dim^-0.5, times yarn's mscale(factor, mscale_all_dim)^2 when the
     rope is scaled (transformers' yarn_apply_mscale / yarn_get_mscale)."""
-    import math
-
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     mscale_all_dim = params.get("mscale_all_dim", 0) if params.get("rope_type", "default") != "default" else 0
