@@ -28,6 +28,9 @@ from test_gptq_core import assert_codes_match, hessian_of, plain_gptq
 VOCAB = 49152  # the demo tokenizer's, so `quantize` can calibrate on real text
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=128, num_experts_per_tok=2)
+DEEPSEEK_V3 = dict(**{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=32, intermediate_size=96,
+                   n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                   kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
 CONFIGS = {
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, intermediate_size=96, num_local_experts=4),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**COMMON, moe_intermediate_size=32, intermediate_size=96,
@@ -35,20 +38,19 @@ CONFIGS = {
                                                      mlp_only_layers=[0]),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, moe_intermediate_size=32, num_experts=4,
                                                      norm_topk_prob=True, head_dim=16),
-    "deepseek_v3": lambda: transformers.DeepseekV3Config(
-        **{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=32, intermediate_size=96, n_routed_experts=8,
-        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(**DEEPSEEK_V3),
     "olmoe": lambda: transformers.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=4, eos_token_id=None),
 }
 FAMILIES = sorted(CONFIGS)
 
 
-def build(family: str, seed: int = 0):
-    """A random model with eager experts; routers re-drawn with std 1 (the 0.02 init routes by near-ties,
-    which the smallest rounding flips) and norms perturbed (so folding into them is really tested)."""
+def build(family: str, seed: int = 0, config=None):
+    """A random model (of `config`, else the family's) with eager experts; routers re-drawn with std 1 (the
+    0.02 init routes by near-ties, which the smallest rounding flips) and norms perturbed (so folding into
+    them is really tested)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(CONFIGS[family](), dtype=torch.float32, experts_implementation="eager")
+    model = AutoModelForCausalLM.from_config(config or CONFIGS[family](), dtype=torch.float32,
+                                             experts_implementation="eager")
     model.eval()
     perturb_norms(model)
     adapter = get_adapter(model)
@@ -458,9 +460,6 @@ def test_engine_routing_is_each_familys_own(family):
                                rtol=1e-6, atol=1e-7)
 
 
-ENGINE_FAMILIES = FAMILIES
-
-
 def _engine_tokens(model, prompts_, n):
     from quantkit.engine import LLMEngine, SamplingParams
 
@@ -477,7 +476,7 @@ def _hf_tokens(model, prompts_, n):
     return out
 
 
-@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_engine_greedy_tokens_equal_transformers_generate(model_dir, tmp_path, family):
     """On the unquantized model, and on an 8-bit checkpoint (quantkit.load, per-expert QuantLinears)
     against transformers on the dequantize-into-transformers oracle of that checkpoint."""
@@ -567,15 +566,11 @@ def _mla_variant():
     """DeepSeek-V3 whose MLA shapes differ from the family config: q_proj without a q LoRA, value heads
     wider than q.k heads (the cache pads them), yarn rope whose mscale changes the softmax scale, rotary
     pairs not interleaved."""
-    cfg = transformers.DeepseekV3Config(
-        **{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=32, intermediate_size=96, n_routed_experts=8,
-        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=24, rope_interleave=False,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale_all_dim": 1.0,
-                         "original_max_position_embeddings": 32})
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, experts_implementation="eager").eval()
-    perturb_norms(model)
+    cfg = transformers.DeepseekV3Config(**{
+        **DEEPSEEK_V3, "q_lora_rank": None, "v_head_dim": 24, "rope_interleave": False,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 32}})
+    model = build("deepseek_v3", seed=3, config=cfg)
     attn = model.model.layers[0].self_attn
     assert attn.q_proj is not None and attn.scaling != (8 + 8) ** -0.5  # the shapes this variant is for
     return model
