@@ -25,6 +25,26 @@ def _save(model, folder: Path, tokenizer_from: Path) -> Path:
     return folder
 
 
+def _dense_fields(c) -> dict:
+    """What an MoE built from the dense Llama config `c` keeps of it: vocabulary, widths, depth, attention,
+    norms, rope, tying, special tokens."""
+    return dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+                rms_norm_eps=c.rms_norm_eps, rope_parameters=c.rope_parameters, tie_word_embeddings=c.tie_word_embeddings,
+                bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id)
+
+
+def _copy_all_but_mlps(moe, src, may_miss: tuple[str, ...] = ()) -> None:
+    """Load every tensor of `src` except its MLPs into `moe`; anything else `moe` then lacks (beyond its MLPs,
+    a tied head and keys ending in `may_miss`) is an error."""
+    state = {k: v for k, v in src.state_dict().items() if ".mlp." not in k}
+    missing = set(moe.load_state_dict(state, strict=False).missing_keys)
+    expected = {k for k in missing if ".mlp." in k or k.endswith(may_miss)}
+    expected |= {"lm_head.weight"} if src.config.tie_word_embeddings else set()
+    assert missing <= expected, sorted(missing - expected)[:3]
+
+
 def random_qwen3_moe(folder: Path, *, tokenizer_from: Path, layers: int = 8, experts: int = 16, top_k: int = 2,
                      hidden: int = 512, moe_intermediate: int = 256, heads: int = 8, kv_heads: int = 4,
                      router_std: float = 0.1, seed: int = 0) -> Path:
@@ -53,17 +73,10 @@ def upcycled_mixtral(folder: Path, *, dense: Path, experts: int = 8, top_k: int 
     torch.manual_seed(seed)
     src = transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
     c = src.config
-    cfg = transformers.MixtralConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-                                     intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
-                                     num_attention_heads=c.num_attention_heads,
-                                     num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                                     max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-                                     rope_parameters=c.rope_parameters, tie_word_embeddings=c.tie_word_embeddings,
-                                     num_local_experts=experts, num_experts_per_tok=top_k, sliding_window=None,
-                                     bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id)
+    cfg = transformers.MixtralConfig(**_dense_fields(c), head_dim=c.head_dim, num_local_experts=experts,
+                                     num_experts_per_tok=top_k, sliding_window=None)
     moe = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    state = {k: v for k, v in src.state_dict().items() if ".mlp." not in k}
-    missing = set(moe.load_state_dict(state, strict=False).missing_keys)
+    _copy_all_but_mlps(moe, src)
     with torch.no_grad():
         for layer, dense_layer in zip(moe.model.layers, src.model.layers):
             mlp = dense_layer.mlp
@@ -72,8 +85,6 @@ def upcycled_mixtral(folder: Path, *, dense: Path, experts: int = 8, top_k: int 
                 layer.mlp.experts.gate_up_proj[e] = gate_up * (1 + noise * torch.randn_like(gate_up))
                 layer.mlp.experts.down_proj[e] = mlp.down_proj.weight * (1 + noise * torch.randn_like(mlp.down_proj.weight))
             layer.mlp.gate.weight.normal_(0.0, router_std)
-    expected = {k for k in missing if ".mlp." in k} | ({"lm_head.weight"} if c.tie_word_embeddings else set())
-    assert missing <= expected, sorted(missing - expected)[:3]
     return _save(moe.to(torch.bfloat16), Path(folder), dense)  # the demo model's own storage dtype
 
 
@@ -135,18 +146,12 @@ def moefied_qwen2_moe(folder: Path, *, dense: Path, experts: int = 6, top_k: int
     width = c.intermediate_size
     shared = int(width * shared_fraction)
     routed = (width - shared) // experts
-    cfg = transformers.Qwen2MoeConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=width,
-                                      num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                                      num_key_value_heads=c.num_key_value_heads, hidden_act=c.hidden_act,
-                                      max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-                                      rope_parameters=c.rope_parameters, tie_word_embeddings=c.tie_word_embeddings,
-                                      num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=routed,
+    cfg = transformers.Qwen2MoeConfig(**_dense_fields(c), hidden_act=c.hidden_act, num_experts=experts,
+                                      num_experts_per_tok=top_k, moe_intermediate_size=routed,
                                       shared_expert_intermediate_size=shared, norm_topk_prob=True, qkv_bias=False,
-                                      decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
-                                      bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id)
+                                      decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)
     moe = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    state = {k: v for k, v in src.state_dict().items() if ".mlp." not in k}
-    missing = set(moe.load_state_dict(state, strict=False).missing_keys)
+    _copy_all_but_mlps(moe, src, may_miss=("_proj.bias",))
     with torch.no_grad():
         for i, (layer, dense_layer) in enumerate(zip(moe.model.layers, src.model.layers)):
             mlp, block = dense_layer.mlp, layer.mlp
@@ -169,7 +174,4 @@ def moefied_qwen2_moe(folder: Path, *, dense: Path, experts: int = 6, top_k: int
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 if proj.bias is not None:
                     proj.bias.zero_()
-    expected = {k for k in missing if ".mlp." in k or k.endswith("_proj.bias")}
-    expected |= {"lm_head.weight"} if c.tie_word_embeddings else set()
-    assert missing <= expected, sorted(missing - expected)[:3]
     return _save(moe.to(torch.bfloat16), Path(folder), dense)
