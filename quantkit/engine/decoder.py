@@ -179,9 +179,9 @@ def _plan(layer: nn.Module, layout: DecoderLayout, fused_qkv, fused_gate_up, dt:
     """The layer's callables. The projections a fused one replaces are not resolved: a QuantLinear
     would build (pack) its own backend, a second copy of the fused weight the forward never calls."""
     attn = layout.attention
-    mm = functools.partial(_matmul_at, layer, dt)
     if attn.latent is not None:
         return _latent_plan(layer, layout, dt, sparse)
+    mm = functools.partial(_matmul_at, layer, dt)
     qkv = fused_qkv.matmul_fn(dt) if fused_qkv is not None else (mm(attn.qkv[0]) if len(attn.qkv) == 1 else None)
     apart = qkv is None
     qk_norm = [norm_fn(resolve(layer, n), RMS) if n else None for n in (attn.q_norm, attn.k_norm)]
