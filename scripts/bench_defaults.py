@@ -46,9 +46,14 @@ VARIANTS = {
     # the scale and clip searches on 8x / 4x larger token samples than the defaults
     "awq-large-sample": ("awq", {"token_search_tokens": 8192, "max_search_tokens": 8192, "clip_search_tokens": 2048},
                          {}, {}),
+    # only the clip search on a 4x larger token sample; the token-wise scale searches on 4x, clip on 2x
+    "awq-clip-sample": ("awq", {"clip_search_tokens": 2048}, {}, {}),
+    "awq-token-sample": ("awq", {"token_search_tokens": 4096, "clip_search_tokens": 1024}, {}, {}),
     # only the attention block's scale search on 4x more sequences (the token-wise searches as default)
     "awq-attention-sample": ("awq", {"max_search_tokens": 8192}, {}, {}),
     "awq-gptq": ("awq,gptq", {}, {}, {}),
+    # also v -> o under GQA, one scale per v row tied across the o columns it feeds (AutoAWQ skips the group)
+    "awq-gqa-v-o": ("awq", {"gqa_v_o": True}, {}, {}),
     # twice as fine: alpha in steps of 1/40, clip ratios in steps of 1/40 (same 0.5 reach)
     "awq-fine-alpha": ("awq", {"n_grid": 40}, {}, {}),
     "awq-fine-clip": ("awq", {"clip_n_grid": 40}, {}, {}),

@@ -126,11 +126,12 @@ def test_registered_defaults_and_options():
     assert isinstance(q, AWQTransform)
     assert q.default_sym is False and q.default_format == "awq" and q.needs_calibration
     assert q.options["duo_scaling"] is True and q.options["clip"] is True and q.options["n_grid"] == 20
-    assert q.options["clip_n_grid"] == 20 and q.options["clip_max_shrink"] == 0.5
+    assert q.options["clip_n_grid"] == 20 and q.options["clip_max_shrink"] == 0.5 and q.options["gqa_v_o"] is False
     assert q.format_extra() == {}
     with pytest.raises(QuantkitError, match="unknown option"):
         get_quantizer("awq", damp_percent=0.1)
-    for bad in ({"n_grid": 0}, {"clip_max_shrink": 1.5}, {"max_search_tokens": -1}, {"token_search_tokens": 1.5}):
+    for bad in ({"n_grid": 0}, {"clip_max_shrink": 1.5}, {"max_search_tokens": -1}, {"token_search_tokens": 1.5},
+                {"gqa_v_o": "yes"}):
         with pytest.raises(QuantkitError):
             get_quantizer("awq", **bad)
     assert clip_ratios_grid(20, 0.5) == pytest.approx([1 - i / 20 for i in range(10)])
@@ -144,7 +145,7 @@ def test_search_and_fold_without_quantizing_keeps_logits(name):
     ids = calib_ids()
     ref = logits(model, ids)
     norm_before = {n: p.clone() for n, p in model.named_parameters() if "norm" in n}
-    q = AWQTransform(clip=False)
+    q = AWQTransform(clip=False, gqa_v_o=True)  # under GQA the tied v -> o scales fold exactly too
     transform_only(model, q, ids, schemes_for(model))
     assert rel_err(logits(model, ids), ref) < 2e-5
     # the scales really went somewhere: every group got one, and norms changed
@@ -154,6 +155,15 @@ def test_search_and_fold_without_quantizing_keeps_logits(name):
     for rec in q.search_log[0]["groups"]:
         assert len(rec["losses"]) == 20 and rec["alpha"] in [i / 20 for i in range(20)]
         assert (rec["scales"] > 0).all() and not torch.allclose(rec["scales"], torch.ones_like(rec["scales"]))
+
+
+def test_gqa_v_to_o_search_is_off_by_default_and_can_be_asked_for():
+    ids = calib_ids()
+    for options, searched in (({}, False), ({"gqa_v_o": True}, True)):
+        model = build("llama_gqa")
+        q = AWQTransform(clip=False, **options)
+        transform_only(model, q, ids, schemes_for(model), stop_after=0)
+        assert ("self_attn.v_proj" in [g["prev"] for g in q.search_log[0]["groups"]]) is searched
 
 
 def test_token_subsample_and_ignored_linears():
@@ -174,17 +184,21 @@ def test_token_subsample_and_ignored_linears():
 
 @pytest.mark.parametrize("duo,sym,token_sample,sym_range", [(True, False, 0, "exact"), (False, True, 0, "exact"),
                                                              (False, True, 0, "centred"), (True, False, 7, "exact")])
-@pytest.mark.parametrize("prev", ["post_attention_layernorm", "input_layernorm", "self_attn.v_proj", "mlp.up_proj"])
-def test_chosen_alpha_is_grid_argmin(prev, duo, sym, token_sample, sym_range):
+@pytest.mark.parametrize("name,prev", [("llama", "post_attention_layernorm"), ("llama", "input_layernorm"),
+                                       ("llama", "self_attn.v_proj"), ("llama", "mlp.up_proj"),
+                                       ("llama_gqa", "self_attn.v_proj")])
+def test_chosen_alpha_is_grid_argmin(name, prev, duo, sym, token_sample, sym_range):
     """Losses recomputed by running the untouched inspect module: on every token, or (token-wise
     blocks: the MLP, a linear, whose loss the quantizer takes from a Gram matrix) on every
-    (96 // token_sample)-th token of the whole calibration set."""
-    model = build("llama")
+    (96 // token_sample)-th token of the whole calibration set. Under GQA (llama_gqa: 4 query heads
+    on 2 value heads) v -> o is searched with x_mean and w_mean averaged over the o columns that
+    read the same v row, so the scales fold into v."""
+    model = build(name)
     adapter = get_adapter(model)
     layer = adapter.decoder_layers(model)[0]
     original = copy.deepcopy(layer)
     ids = calib_ids()
-    q = AWQTransform(clip=False, duo_scaling=duo, max_search_tokens=0, token_search_tokens=token_sample,
+    q = AWQTransform(clip=False, duo_scaling=duo, max_search_tokens=0, token_search_tokens=token_sample, gqa_v_o=True,
                      sym_range=sym_range)
     ctx = transform_only(model, q, ids, schemes_for(model, sym=sym), stop_after=0)
     rec = next(g for g in q.search_log[0]["groups"] if g["prev"] == prev)
@@ -210,6 +224,19 @@ def test_chosen_alpha_is_grid_argmin(prev, duo, sym, token_sample, sym_range):
     w = torch.cat([m.weight for m in linears])
     wg = w.abs().reshape(-1, 32)
     w_mean = (wg / (wg.max(dim=1, keepdim=True).values + 1e-6)).reshape(w.shape).mean(0)
+    v_rows = original.get_submodule("self_attn.v_proj").out_features
+    if prev == "self_attn.v_proj" and v_rows != x_mean.numel():  # GQA: o column c reads v row row_of[c]
+        head_dim = model.config.hidden_size // model.config.num_attention_heads
+        n_rep = x_mean.numel() // v_rows
+        c = torch.arange(x_mean.numel())
+        row_of = (c // head_dim) // n_rep * head_dim + c % head_dim
+
+        def tie(v):
+            return torch.zeros(v_rows).index_add_(0, row_of, v)[row_of] / n_rep
+
+        x_mean, w_mean = tie(x_mean), tie(w_mean)
+        first_reader = (row_of // head_dim) * n_rep * head_dim + row_of % head_dim  # first o column on row_of[c]
+        assert torch.equal(rec["scales"], rec["scales"][first_reader])  # tied: foldable into v
 
     token_wise = prev in ("post_attention_layernorm", "self_attn.v_proj", "mlp.up_proj")
     if token_sample and token_wise:

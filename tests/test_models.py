@@ -36,13 +36,15 @@ CONFIGS = {
 
 # Which input groups each variant must get: (prev, linears) pairs.
 EXPECTED_GROUPS = {
-    "llama_gqa": [("input_layernorm", 3), ("post_attention_layernorm", 2), ("mlp.up_proj", 1)],
+    "llama_gqa": [("input_layernorm", 3), ("self_attn.v_proj", 1), ("post_attention_layernorm", 2),
+                  ("mlp.up_proj", 1)],
     "llama_mha_bias": [("input_layernorm", 3), ("self_attn.v_proj", 1), ("post_attention_layernorm", 2),
                        ("mlp.up_proj", 1)],
-    "mistral": [("input_layernorm", 3), ("post_attention_layernorm", 2), ("mlp.up_proj", 1)],
+    "mistral": [("input_layernorm", 3), ("self_attn.v_proj", 1), ("post_attention_layernorm", 2), ("mlp.up_proj", 1)],
     "qwen2": [("input_layernorm", 3), ("self_attn.v_proj", 1), ("post_attention_layernorm", 2), ("mlp.up_proj", 1)],
     "qwen3": [("input_layernorm", 3), ("self_attn.v_proj", 1), ("post_attention_layernorm", 2), ("mlp.up_proj", 1)],
-    "phi3_gqa": [("input_layernorm", 1), ("post_attention_layernorm", 1), ("mlp.gate_up_proj", 1)],
+    "phi3_gqa": [("input_layernorm", 1), ("self_attn.qkv_proj", 1), ("post_attention_layernorm", 1),
+                 ("mlp.gate_up_proj", 1)],
     "phi3_mha": [("input_layernorm", 1), ("self_attn.qkv_proj", 1), ("post_attention_layernorm", 1),
                  ("mlp.gate_up_proj", 1)],
     "opt": [("self_attn_layer_norm", 3), ("self_attn.v_proj", 1), ("final_layer_norm", 1), ("fc1", 1)],
@@ -174,7 +176,8 @@ def test_input_groups_reference_real_inputs(name):
         else:
             assert g.prev in names
             start, stop = g.prev_rows or (0, prev.out_features)
-            assert stop - start == linears[0].in_features and stop <= prev.out_features
+            n_rep = g.kv_heads[1] if g.kv_heads else 1  # GQA: one prev row feeds n_rep input channels
+            assert (stop - start) * n_rep == linears[0].in_features and stop <= prev.out_features
         handles.append(prev.register_forward_hook(capture(g.prev)))
         handles += [layer.get_submodule(n).register_forward_hook(capture(n)) for n in g.linears]
     try:
@@ -203,7 +206,7 @@ def test_folding_every_group_keeps_logits(name, attn):
     for layer in adapter.decoder_layers(model):
         for g in adapter.input_groups(layer, model.config):
             n = layer.get_submodule(g.linears[0]).in_features
-            fold_scales(layer, g, random_scales(n, gen))
+            fold_scales(layer, g, g.tie(random_scales(n, gen)))
             n_groups += 1
     assert n_groups == 2 * len(EXPECTED_GROUPS[name])
     assert not torch.equal(watched, before)  # folding really changed the weights

@@ -49,6 +49,11 @@ class InputGroup:
     followers: modules that read the same input but are not part of the search (a MoE router, a
                shared-expert gate): folding multiplies their weight columns by ``s`` too, so they
                compute exactly what they did (the router routes the same tokens to the same experts).
+    kv_heads:  ``(head_dim, n_rep)`` for v -> o under grouped-query attention: o's input channel
+               ``h * head_dim + d`` reads v's output row ``(h // n_rep) * head_dim + d`` (transformers'
+               ``repeat_kv``), so a scale can be folded into v only if it is equal on the ``n_rep``
+               channels that share a row (``tie`` makes a per-channel vector so). None: one input
+               channel per prev row.
     """
 
     prev: str
@@ -59,11 +64,32 @@ class InputGroup:
     token_wise: bool = False
     input_of: str | None = None
     followers: tuple[str, ...] = ()
+    kv_heads: tuple[int, int] | None = None
 
     @property
     def input_module(self) -> str:
         """Where the group's input is read (see ``input_of``)."""
         return self.input_of or self.linears[0]
+
+    def tie(self, v: torch.Tensor) -> torch.Tensor:
+        """A per-input-channel vector made equal on the channels that share a prev row (their mean);
+        unchanged when every channel has its own row."""
+        if self.kv_heads is None:
+            return v
+        head_dim, n_rep = self.kv_heads
+        shared = v.reshape(-1, n_rep, head_dim)  # [kv heads, n_rep, head_dim]
+        return shared.mean(dim=1, keepdim=True).expand_as(shared).reshape(v.shape)
+
+    def prev_scales(self, s: torch.Tensor) -> torch.Tensor:
+        """The scale of each prev row for the per-input-channel ``s``, which must be tied."""
+        if self.kv_heads is None:
+            return s
+        head_dim, n_rep = self.kv_heads
+        shared = s.reshape(-1, n_rep, head_dim)
+        if not torch.equal(shared, shared[:, :1].expand_as(shared)):
+            raise ValueError(f"{self.linears}: the scales differ between query heads sharing a value head "
+                             "(tie them with InputGroup.tie)")
+        return shared[:, 0].reshape(-1)
 
     def __post_init__(self):
         if self.kind not in (NORM, LINEAR):
@@ -76,6 +102,8 @@ class InputGroup:
             start, stop = self.prev_rows
             if not 0 <= start < stop:
                 raise ValueError(f"InputGroup.prev_rows must be a non-empty range, got {self.prev_rows}")
+        if self.kv_heads is not None and (self.kind != LINEAR or min(self.kv_heads) < 1):
+            raise ValueError(f"InputGroup.kv_heads needs kind 'linear' and positive sizes, got {self.kv_heads}")
 
 
 @dataclass(frozen=True)

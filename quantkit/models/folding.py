@@ -10,7 +10,9 @@ or have their salient columns enlarged before quantization (AWQ).
 
 - norm prev: ``weight /= s`` and ``bias /= s`` (LayerNorm's output is ``n(x) * w + b``).
 - linear prev: its output rows ``/= s`` (weight rows and bias). For a fused prev only the rows
-  named by ``InputGroup.prev_rows`` (the v rows of qkv_proj, the up half of gate_up_proj).
+  named by ``InputGroup.prev_rows`` (the v rows of qkv_proj, the up half of gate_up_proj). Under
+  grouped-query attention (``InputGroup.kv_heads``) one v row feeds several o columns, whose
+  scales must be equal: the row is divided by that one scale.
 - followers (a MoE router, a shared-expert gate): their weight columns ``*= s`` like the linears',
   so they compute what they did on the unscaled input.
 
@@ -52,14 +54,15 @@ def fold_scales(layer: nn.Module, group: InputGroup, scales: torch.Tensor) -> No
         if not isinstance(prev, nn.Linear):
             raise ValueError(f"'{group.prev}' is not an nn.Linear")
         start, stop = group.prev_rows if group.prev_rows is not None else (0, prev.out_features)
-        if stop - start != n or stop > prev.out_features:
+        row_s = group.prev_scales(s)
+        if stop - start != row_s.numel() or stop > prev.out_features:
             raise ValueError(
                 f"'{group.prev}' rows {start}:{stop} (of {prev.out_features}) do not match the {n} inputs "
                 f"of {group.linears}"
             )
-        _div_rows(prev.weight[start:stop], s)
+        _div_rows(prev.weight[start:stop], row_s)
         if prev.bias is not None:
-            _div_rows(prev.bias[start:stop], s)
+            _div_rows(prev.bias[start:stop], row_s)
 
     for w in [lin.weight for lin in linears] + followers:
         ct = _compute_dtype(w)

@@ -68,13 +68,27 @@ class LlamaAdapter(ArchitectureAdapter):
         """The attention's input groups: norm -> q/k/v, and v -> o where that folding is exact."""
         groups = [InputGroup("input_layernorm", (Q, K, V), inspect="self_attn", kind=NORM)]
         # v -> o: attention output is a convex combination of value rows, so scaling v's output
-        # channels by 1/s and o's input columns by s is exact -- but only channel-for-channel.
-        # With GQA one v channel feeds num_key_value_groups o columns, so a free per-column scale
-        # on o cannot be folded into v (AutoAWQ / llm-awq skip it too). The test is on the real
-        # widths, not on weight shapes: qwen3 can have num_heads*head_dim != hidden_size.
-        if resolve(layer, V).out_features == resolve(layer, O).in_features:
+        # channels by 1/s and o's input columns by s is exact. With GQA one v channel feeds
+        # num_key_value_groups o columns (AutoAWQ / llm-awq skip the group then); a scale tied across
+        # those columns still folds (InputGroup.kv_heads). The test is on the real widths, not on
+        # weight shapes: qwen3 can have num_heads*head_dim != hidden_size.
+        v, o = resolve(layer, V), resolve(layer, O)
+        if v.out_features == o.in_features:
             groups.append(InputGroup(V, (O,), inspect=O, kind=LINEAR))
+        elif (kv_heads := gqa_heads(resolve(layer, "self_attn"), v.out_features, o.in_features)) is not None:
+            groups.append(InputGroup(V, (O,), inspect=O, kind=LINEAR, kv_heads=kv_heads))
         return groups
+
+
+def gqa_heads(attention: nn.Module, v_width: int, o_width: int) -> tuple[int, int] | None:
+    """(head_dim, n_rep) of a grouped-query attention whose o input is v's heads each repeated n_rep
+    times (transformers' repeat_kv), or None when its attributes do not say so."""
+    head_dim, n_rep = getattr(attention, "head_dim", None), getattr(attention, "num_key_value_groups", None)
+    if not isinstance(head_dim, int) or not isinstance(n_rep, int) or head_dim < 1 or n_rep < 2:
+        return None
+    if v_width % head_dim or v_width * n_rep != o_width:
+        return None
+    return head_dim, n_rep
 
 
 def sliding_window(config):

@@ -12,7 +12,7 @@ import torch.nn as nn
 from quantkit.errors import QuantkitError
 from quantkit.models.base import LINEAR, NORM, AttentionBlock, InputGroup, resolve
 from quantkit.models.layout import GATED, RMS, AttentionLayout, DecoderLayout, MLPLayout
-from quantkit.models.llama import LlamaAdapter, sliding_window
+from quantkit.models.llama import LlamaAdapter, gqa_heads, sliding_window
 
 QKV, O = "self_attn.qkv_proj", "self_attn.o_proj"
 GATE_UP, DOWN = "mlp.gate_up_proj", "mlp.down_proj"
@@ -47,8 +47,8 @@ class Phi3Adapter(LlamaAdapter):
         attn = resolve(layer, "self_attn")
         groups = [InputGroup("input_layernorm", (QKV,), inspect="self_attn", kind=NORM)]
 
-        # qkv -> o, folded into the v rows only (the last kv_heads*head_dim rows). Exact only
-        # without GQA, as for llama. AutoAWQ folds into "the last o_proj.in_features rows"
+        # qkv -> o, folded into the v rows only (the last kv_heads*head_dim rows); with GQA the
+        # scale is tied across the o columns one v row feeds, as for llama. AutoAWQ folds into "the last o_proj.in_features rows"
         # unconditionally, which with GQA (e.g. Phi-3-medium, 40 q / 10 kv heads) rescales k rows
         # too and changes the model; llm-compressor's Phi-3 mapping has the same hazard.
         v_width = _kv_heads(attn, config) * attn.head_dim
@@ -57,10 +57,11 @@ class Phi3Adapter(LlamaAdapter):
                 f"Phi-3 qkv_proj has {qkv.out_features} outputs, expected q+k+v = "
                 f"{o.in_features}+{v_width}+{v_width}; unsupported layout"
             )
+        v_rows = (qkv.out_features - v_width, qkv.out_features)
         if v_width == o.in_features:
-            groups.append(
-                InputGroup(QKV, (O,), inspect=O, kind=LINEAR, prev_rows=(qkv.out_features - v_width, qkv.out_features))
-            )
+            groups.append(InputGroup(QKV, (O,), inspect=O, kind=LINEAR, prev_rows=v_rows))
+        elif (kv_heads := gqa_heads(attn, v_width, o.in_features)) is not None:
+            groups.append(InputGroup(QKV, (O,), inspect=O, kind=LINEAR, prev_rows=v_rows, kv_heads=kv_heads))
 
         groups.append(InputGroup("post_attention_layernorm", (GATE_UP,), inspect="mlp", kind=NORM, token_wise=True))
 

@@ -12,7 +12,8 @@ Per decoder layer, in `begin_layer` (AutoAWQ's `_search_best_scale` / `_search_b
    strided sample of ``token_search_tokens`` tokens drawn from every sequence and position.
 2. Scale search, per group, on the layer's original weights: for alpha in {0, 1/n, ..., (n-1)/n}
    s = x_mean^alpha (``duo_scaling``: / (w_mean^(1-alpha) + 1e-4), w_mean being the mean of the
-   group-normalised |W| per input channel), clamped at 1e-4 and normalised by sqrt(max*min);
+   group-normalised |W| per input channel; for v -> o under GQA both means are averaged over the o
+   columns one v row feeds, which AutoAWQ skips), clamped at 1e-4 and normalised by sqrt(max*min);
    the group's linears become fake_quant(W*s)/s and the loss is the MSE of the ``inspect``
    module's output (attention block for q/k/v, MLP for gate/up, the linear itself otherwise)
    against its full-precision output. The first alpha with the lowest loss wins. When ``inspect``
@@ -280,6 +281,10 @@ class AWQTransform(Transform):
         # each layer's scales fit the activations the original model produces), or "quantized", the
         # outputs of the layers quantized before it; in awq,gptq the quantizer's stream wins
         "inputs": "float",
+        # also search v -> o under grouped-query attention, one scale per v row shared by the o columns it
+        # feeds (AutoAWQ and llm-compressor skip the group: o is then only clipped); measured worse on
+        # the demo (README defaults table), so opt-in
+        "gqa_v_o": False,
     }
 
     def __init__(self, **options):
@@ -296,6 +301,8 @@ class AWQTransform(Transform):
             raise QuantkitError(f"awq option duo_scaling must be true, false or both, got {o['duo_scaling']!r}")
         if not 0 < float(o["clip_max_shrink"]) < 1:
             raise QuantkitError(f"awq option clip_max_shrink must be in (0, 1), got {o['clip_max_shrink']!r}")
+        if not isinstance(o["gqa_v_o"], bool):
+            raise QuantkitError(f"awq option gqa_v_o must be true or false, got {o['gqa_v_o']!r}")
         if o["inputs"] not in ("float", "quantized"):
             raise QuantkitError(f"awq option inputs must be float or quantized, got {o['inputs']!r}")
         self.calibration_stream = o["inputs"]  # an instance attribute: the recipe reads it
@@ -308,7 +315,8 @@ class AWQTransform(Transform):
     def begin_layer(self, ctx: LayerContext) -> None:
         t0 = time.perf_counter()
         layer = ctx.layer
-        groups = [g for g in ctx.adapter.input_groups(layer, ctx.config) if any(n in ctx.schemes for n in g.linears)]
+        groups = [g for g in ctx.adapter.input_groups(layer, ctx.config) if any(n in ctx.schemes for n in g.linears)
+                  and (g.kv_heads is None or self.options["gqa_v_o"])]
         targets = [n for n in ctx.adapter.linear_names(layer) if n in ctx.schemes]
         clip_targets = [n for n in targets if not skips_clip(n)] if self.options["clip"] else []
         log: dict[str, Any] = {"groups": [], "clip": {}}
@@ -401,13 +409,15 @@ class AWQTransform(Transform):
 
     @torch.no_grad()
     def _search_group(self, layer: nn.Module, group, cap: _Capture, schemes: dict[str, LinearScheme]) -> dict:
-        x_mean = cap.x_mean(group.input_module)
+        # a GQA v -> o group's scales must be equal on the o columns one v row feeds: tying both
+        # means makes every candidate so (candidate_scales is elementwise but for one global norm)
+        x_mean = group.tie(cap.x_mean(group.input_module))
         quantized = [n for n in group.linears if n in schemes]
         linears = {n: layer.get_submodule(n) for n in quantized}
         duo = self.options["duo_scaling"]
         w_mean = None
         if duo:
-            w_mean = weight_mean([m.weight for m in linears.values()], [schemes[n].group_size for n in quantized])
+            w_mean = group.tie(weight_mean([m.weight for m in linears.values()], [schemes[n].group_size for n in quantized]))
         inspect = layer.get_submodule(group.inspect)
         originals = {n: m.weight.data.clone() for n, m in linears.items()}
         group_loss = self._loss(group, inspect, originals, cap)
