@@ -49,8 +49,9 @@ class Phi3Adapter(LlamaAdapter):
 
         # qkv -> o, folded into the v rows only (the last kv_heads*head_dim rows); with GQA the
         # scale is tied across the o columns one v row feeds, as for llama. AutoAWQ folds into
-        # "the last o_proj.in_features rows" unconditionally, which with GQA (e.g. Phi-3-medium, 40 q / 10 kv heads) rescales k rows
-        # too and changes the model; llm-compressor's Phi-3 mapping has the same hazard.
+        # "the last o_proj.in_features rows" unconditionally, which with GQA (e.g. Phi-3-medium,
+        # 40 q / 10 kv heads) rescales k rows too and changes the model; llm-compressor's Phi-3
+        # mapping has the same hazard.
         v_width = _kv_heads(attn, config) * attn.head_dim
         if qkv.out_features != o.in_features + 2 * v_width:
             raise QuantkitError(
