@@ -46,8 +46,9 @@ VARIANTS = {
     # the scale and clip searches on 8x / 4x larger token samples than the defaults
     "awq-large-sample": ("awq", {"token_search_tokens": 8192, "max_search_tokens": 8192, "clip_search_tokens": 2048},
                          {}, {}),
-    # only the clip search on a 4x larger token sample; the token-wise scale searches on 4x, clip on 2x
+    # only the clip search on a 4x larger token sample
     "awq-clip-sample": ("awq", {"clip_search_tokens": 2048}, {}, {}),
+    # the token-wise scale searches (MLP, single linears) on 4x, the clip search on 2x
     "awq-token-sample": ("awq", {"token_search_tokens": 4096, "clip_search_tokens": 1024}, {}, {}),
     # only the attention block's scale search on 4x more sequences (the token-wise searches as default)
     "awq-attention-sample": ("awq", {"max_search_tokens": 8192}, {}, {}),

@@ -417,7 +417,8 @@ class AWQTransform(Transform):
         duo = self.options["duo_scaling"]
         w_mean = None
         if duo:
-            w_mean = group.tie(weight_mean([m.weight for m in linears.values()], [schemes[n].group_size for n in quantized]))
+            w_mean = weight_mean([m.weight for m in linears.values()], [schemes[n].group_size for n in quantized])
+            w_mean = group.tie(w_mean)
         inspect = layer.get_submodule(group.inspect)
         originals = {n: m.weight.data.clone() for n, m in linears.items()}
         group_loss = self._loss(group, inspect, originals, cap)
