@@ -43,13 +43,17 @@ VARIANTS = {
     # the unquantized model's hidden states
     "awq-quantized-inputs": ("awq", {"inputs": "quantized"}, {}, {}),
     "awq-mse": ("awq", {"mse": True}, {}, {}),  # the finishing RTN also searches each group's range
-    # the scale and clip searches on 8x / 4x larger token samples than the defaults
+    # the attention scale search on 4x, the token-wise one and the clip search on 2x larger samples than the defaults
     "awq-large-sample": ("awq", {"token_search_tokens": 8192, "max_search_tokens": 8192, "clip_search_tokens": 2048},
                          {}, {}),
-    # only the clip search on a 4x larger token sample
-    "awq-clip-sample": ("awq", {"clip_search_tokens": 2048}, {}, {}),
-    # the token-wise scale searches (MLP, single linears) on 4x, the clip search on 2x
+    # the clip search on 2048 tokens (the scale searches on the previous default's 1024)
+    "awq-clip-sample": ("awq", {"token_search_tokens": 1024, "clip_search_tokens": 2048}, {}, {}),
+    # the token-wise scale searches (MLP, single linears) on 4096 tokens, the clip search on 1024: the default
+    # since 2026-12-03, 4x / 2x the samples before it (awq-small-sample)
     "awq-token-sample": ("awq", {"token_search_tokens": 4096, "clip_search_tokens": 1024}, {}, {}),
+    "awq-small-sample": ("awq", {"token_search_tokens": 1024, "clip_search_tokens": 512}, {}, {}),
+    # the default's scale sample with a clip sample of 2048
+    "awq-token-clip-2048": ("awq", {"token_search_tokens": 4096, "clip_search_tokens": 2048}, {}, {}),
     # only the attention block's scale search on 4x more sequences (the token-wise searches as default)
     "awq-attention-sample": ("awq", {"max_search_tokens": 8192}, {}, {}),
     "awq-gptq": ("awq,gptq", {}, {}, {}),

@@ -127,6 +127,8 @@ def test_registered_defaults_and_options():
     assert q.default_sym is False and q.default_format == "awq" and q.needs_calibration
     assert q.options["duo_scaling"] is True and q.options["clip"] is True and q.options["n_grid"] == 20
     assert q.options["clip_n_grid"] == 20 and q.options["clip_max_shrink"] == 0.5 and q.options["gqa_v_o"] is False
+    assert q.options["max_search_tokens"] == 2048 and q.options["token_search_tokens"] == 4096
+    assert q.options["clip_search_tokens"] == 1024
     assert q.format_extra() == {}
     with pytest.raises(QuantkitError, match="unknown option"):
         get_quantizer("awq", damp_percent=0.1)
@@ -374,7 +376,7 @@ def test_demo_awq_beats_rtn_by_kl(demo_bench):
     """
     size = dict(bits=4, group_size=64, sym=False, samples=8, seq_len=128, measure="kl")
     rtn = demo_bench.quantized(Recipe.of(get_quantizer("rtn")), **size, key="rtn-w4g64-asym-kl")
-    grids = dict(max_search_tokens=256, n_grid=10, clip_n_grid=10)
+    grids = dict(max_search_tokens=256, n_grid=10, clip_n_grid=10, clip_search_tokens=512)  # as measured below
     awq = AWQTransform(**grids)
     kl_awq = demo_bench.quantized(awq, **size)
     kl_noclip = demo_bench.quantized(AWQTransform(clip=False, **grids), **size)

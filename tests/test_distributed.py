@@ -379,9 +379,11 @@ def test_two_gloo_ranks_write_the_single_process_bytes_on_the_demo(method, tmp_p
     """The demo model (30 layers, GQA, tied embeddings) at a CI-sized calibration set (16 x 128
     tokens; the full 128 x 512 comparison is in the issue's notes): the same bytes on two ranks."""
     args = ["--method", method, "--json"] + (["--num-samples", "16", "--seq-len", "128"] if method != "rtn" else [])
-    if method == "awq":  # the attention scale search on 2 of the 16 sequences (one reduction leaf) and 10-point
-        # alpha and clip grids: CI's time (the searches' reductions are the same at any grid size)
-        args += ["--option", "max_search_tokens=256", "--option", "n_grid=10", "--option", "clip_n_grid=10"]
+    if method == "awq":  # the attention scale search on 2 of the 16 sequences (one reduction leaf), strided
+        # token samples of half and a quarter of the 2048 tokens (so the sample spans both ranks' sequences) and
+        # 10-point alpha and clip grids: CI's time (the searches' reductions are the same at any grid size)
+        args += ["--option", "max_search_tokens=256", "--option", "token_search_tokens=1024",
+                 "--option", "clip_search_tokens=512", "--option", "n_grid=10", "--option", "clip_n_grid=10"]
     one = run_cli("quantize", *args, "--output", tmp_path / "one")
     assert one.returncode == 0, one.stderr[-3000:]
     two = run_cli("quantize", *args, "--nproc", "2", "--output", tmp_path / "two")

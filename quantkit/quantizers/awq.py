@@ -269,11 +269,11 @@ class AWQTransform(Transform):
         "full_grid": False,  # also try no scaling (s = 1) and alpha = 1, as llm-compressor does
         # the scale-search loss re-runs its block 20 times, so it runs on samples (0: all tokens):
         "max_search_tokens": 2048,  # whole sequences, for blocks that mix tokens (attention)
-        "token_search_tokens": 1024,  # a strided token sample from every sequence, for token-wise blocks (MLP, a linear)
+        "token_search_tokens": 4096,  # a strided token sample from every sequence, for token-wise blocks (MLP, a linear)
         "clip": True,  # search and apply per-group weight clipping
         "clip_n_grid": 20,
         "clip_max_shrink": 0.5,  # ratios 1.0 down to (not including) 1 - max_shrink
-        "clip_search_tokens": 512,  # strided token sample for the clip error (AutoAWQ's n_sample_token)
+        "clip_search_tokens": 1024,  # strided token sample for the clip error (AutoAWQ's 512: README defaults table)
         # the symmetric grid the searches simulate and the finishing RTN rounds on (grid.SYM_RANGES):
         # AutoAWQ's absmax/7, which keeps the salient weights the scales enlarge exact
         "sym_range": "exact",
