@@ -430,7 +430,9 @@ def test_paged_decode_triton_vs_reference(dtype):
     if not pa.HAS_TRITON or not (triton_support.INTERPRET or torch.cuda.is_available()):
         pytest.skip("triton interpreter not active")
     dev = "cuda" if torch.cuda.is_available() and not triton_support.INTERPRET else "cpu"
-    for group, head_dim, block_size, lens in [(3, 16, 4, (7, 1, 12, 4)), (1, 8, 8, (16, 9)), (4, 32, 2, (3, 5))]:
+    # head_dim 24 and 192 (DeepSeek's padded MLA heads) are not powers of two: the kernel masks BLOCK_D
+    for group, head_dim, block_size, lens in [(3, 16, 4, (7, 1, 12, 4)), (1, 8, 8, (16, 9)), (4, 32, 2, (3, 5)),
+                                              (2, 24, 4, (6, 3)), (1, 192, 4, (5, 9))]:
         q, k, v, tables, lens_t = _paged_case(dtype, group=group, head_dim=head_dim, block_size=block_size, lens=lens)
         scale = head_dim ** -0.5
         ref = pa.paged_attention_decode_reference(q, k, v, tables, lens_t, scale)
