@@ -161,17 +161,23 @@ class Quantizer(Step):
         to nearest on this quantizer's grid (with its range search: `uncalibrated_grid_options`),
         labelled with the act-order the run declares (its trivial g_idx is valid under it), so the
         checkpoint keeps one scheme."""
+        self.discard(name)
+        qw = self.round_to_nearest(module, scheme)
+        if scheme.grid is None:
+            qw.act_order = self.planned_spec(LinearSpec.of(qw)).act_order
+        return qw
+
+    def round_to_nearest(self, module: nn.Linear, scheme: LinearScheme) -> QuantizedWeight:
+        """`module`'s weight rounded to nearest, no data: on a GGUF type's blocks with the parameters
+        llama.cpp chooses, else on the scheme's grid with `uncalibrated_grid_options`' range search."""
         from quantkit.ggml_types import ggml_type
         from quantkit.quantizers.gguf_grid import rtn_on_grid
         from quantkit.quantizers.grid import rtn_quantize
 
-        self.discard(name)
         if scheme.grid is not None:
             return rtn_on_grid(module.weight.data, ggml_type(scheme.grid), module.bias)
-        qw = rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias,
-                          **self.uncalibrated_grid_options())
-        qw.act_order = self.planned_spec(LinearSpec.of(qw)).act_order
-        return qw
+        return rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias,
+                            **self.uncalibrated_grid_options())
 
     def uncalibrated_grid_options(self) -> dict[str, Any]:
         """How a group's range is chosen for a weight rounded without data: the range search this

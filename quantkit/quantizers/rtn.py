@@ -4,9 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from quantkit.quantizers.base import Quantizer, register_step
-from quantkit.ggml_types import ggml_type
-from quantkit.quantizers.gguf_grid import rtn_on_grid
-from quantkit.quantizers.grid import check_sym_range, rtn_quantize
+from quantkit.quantizers.grid import check_sym_range
 from quantkit.scheme import LinearScheme
 
 
@@ -29,7 +27,4 @@ class RTNQuantizer(Quantizer):
         check_sym_range(self.options["sym_range"], "rtn option ")
 
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme):
-        if scheme.grid is not None:  # a GGUF type's blocks, parameters chosen as llama.cpp does
-            return rtn_on_grid(module.weight.data, ggml_type(scheme.grid), module.bias)
-        return rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias,
-                            mse=bool(self.options["mse"]), sym_range=self.options["sym_range"])
+        return self.round_to_nearest(module, scheme)  # with this quantizer's mse and sym_range
