@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import os
 import pathlib
@@ -35,23 +34,12 @@ def _refuse(msg: str) -> int:
 
 
 def _import_kernels():
-    """``quantkit.kernels`` when installed, else from this source tree under the same name."""
+    """``quantkit.kernels``, installed or from this source tree."""
     try:
         return importlib.import_module("quantkit.kernels")
     except ImportError:
-        pass
-    root = pathlib.Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root))
-    import quantkit  # noqa: F401
-
-    spec = importlib.util.spec_from_file_location(
-        "quantkit.kernels", root / "kernels" / "__init__.py",
-        submodule_search_locations=[str(root / "kernels")],
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["quantkit.kernels"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+        return importlib.import_module("quantkit.kernels")
 
 
 def _parse_shape(s: str):

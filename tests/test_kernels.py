@@ -16,7 +16,6 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import importlib  # noqa: E402
-import importlib.util  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 
@@ -24,30 +23,7 @@ import pytest  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-
-def _import_kernels():
-    """``quantkit.kernels`` from the installed wheel, else straight from the source tree.
-
-    In the source tree ``kernels/`` only becomes ``quantkit.kernels`` through the wheel's
-    package-dir mapping, so load it under that name by hand (relative imports keep working).
-    """
-    try:
-        return importlib.import_module("quantkit.kernels")
-    except ImportError:
-        pass
-    import quantkit  # noqa: F401  (parent package must exist)
-
-    spec = importlib.util.spec_from_file_location(
-        "quantkit.kernels", ROOT / "kernels" / "__init__.py",
-        submodule_search_locations=[str(ROOT / "kernels")],
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["quantkit.kernels"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-K = _import_kernels()
+K = importlib.import_module("quantkit.kernels")
 R = importlib.import_module("quantkit.kernels.reference")
 DG = importlib.import_module("quantkit.kernels.dequant_gemm")
 I8 = importlib.import_module("quantkit.kernels.int8_gemm")
@@ -338,16 +314,8 @@ def test_import_without_triton_falls_back(monkeypatch):
 # GPU compile check without a GPU
 
 _AOT_SCRIPT = r'''
-import importlib, importlib.util, pathlib, sys
-root = pathlib.Path(sys.argv[1])
-try:
-    importlib.import_module("quantkit.kernels")
-except ImportError:
-    sys.path.insert(0, str(root))
-    import quantkit
-    spec = importlib.util.spec_from_file_location("quantkit.kernels", root / "kernels" / "__init__.py",
-                                                  submodule_search_locations=[str(root / "kernels")])
-    mod = importlib.util.module_from_spec(spec); sys.modules["quantkit.kernels"] = mod; spec.loader.exec_module(mod)
+import importlib, sys
+sys.path.insert(0, sys.argv[1])  # the source tree, where quantkit is not installed
 DG = importlib.import_module("quantkit.kernels.dequant_gemm")
 I8 = importlib.import_module("quantkit.kernels.int8_gemm")
 import triton

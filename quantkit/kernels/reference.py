@@ -9,7 +9,7 @@ fp32, one matmul. Layouts follow GPTQ v1 (see the project's formats reference):
 * ``scales``  fp16/bf16/fp32 ``[G, N]``;
 * ``g_idx``   int ``[K]``, group of each input row.
 
-Nothing here imports from quantkit: this module ships inside the wheel as ``quantkit.kernels``.
+Nothing here imports the rest of quantkit: the kernels package stands on torch (and triton) alone.
 """
 from __future__ import annotations
 
