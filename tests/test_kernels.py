@@ -315,7 +315,7 @@ def test_import_without_triton_falls_back(monkeypatch):
 
 _AOT_SCRIPT = r'''
 import importlib, sys
-sys.path.insert(0, sys.argv[1])  # the source tree, where quantkit is not installed
+sys.path.insert(0, sys.argv[1])  # the source tree first: it runs with or without an install
 DG = importlib.import_module("quantkit.kernels.dequant_gemm")
 I8 = importlib.import_module("quantkit.kernels.int8_gemm")
 import triton
