@@ -147,18 +147,20 @@ def test_cpu_fallbacks_warn_once_and_stay_correct(bits, gs, sym, n, why):
     ("compressed-tensors", 8, -1, True, False),
 ])
 def test_triton_backend_matches_reference(fmt, bits, gs, sym, dynamic):
-    """Under TRITON_INTERPRET=1 (set by conftest without a GPU) the real kernels run on CPU tensors."""
+    """Under TRITON_INTERPRET=1 (set by conftest without a GPU) the real kernels run on CPU tensors;
+    on a GPU (tests/test_gpu.py has the fp16/bf16 cases) on CUDA tensors."""
     from quantkit import kernels
 
     if not kernels.triton_available():
         pytest.skip("triton cannot run here")
+    dev = "cpu" if kernels.triton_support.INTERPRET else "cuda"  # on a GPU: real GPU tensors
     qw = make_qw(48, 128, bits, gs, sym, seed=3, dynamic=dynamic)
-    m = build(qw, fmt, "triton", dtype=torch.float32)
+    m = build(qw, fmt, "triton", dtype=torch.float32).to(dev)
     for rows in (1, 17):
-        x = torch.randn(rows, 128)
+        x = torch.randn(rows, 128).to(dev)
         y = m(x)
         assert m._impl.name == "triton" and m._impl.fallback is None
-        expected = F.linear(x, qw.dequantize(torch.float32)) + qw.bias
+        expected = F.linear(x, qw.dequantize(torch.float32).to(dev)) + qw.bias.to(dev)
         torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
 
 

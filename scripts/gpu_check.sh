@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The one prepared GPU check: the CUDA tests, then the GPU benchmarks, on one CUDA GPU in under
+# 8 minutes (each step has its own time limit, so a hang in one cannot eat the whole device lease).
+# It uses the machine's own torch / triton / transformers (versions printed first) and installs
+# quantkit itself without dependencies. Logs and tables go to $OUT (the device tool's return
+# folder) or ./gpu-check-out; at most 8 files.
+#
+#   bash scripts/gpu_check.sh
+#
+# Steps: tests (tests/test_gpu.py, test_kernels.py, test_quant_linear.py and the engine's Triton
+# tests on real CUDA tensors), bench_kernels.py (Triton W4A16 / W8A8 against cuBLAS fp16 and
+# PyTorch's int4 kernel), bench_decode_8b.py (Llama-3-8B-shaped batch-1 decode, engine int4 against
+# transformers fp16), bench_gptq_gpu.py (GPTQ wall time, cuda against the machine's cpu cores).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-check-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+PY=${PYTHON:-python3}
+START=$(date +%s)
+
+step() {  # step NAME LIMIT_S CMD...: runs CMD under a time limit, log to $OUT/NAME.log, one summary line
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s): $*"
+    local t0=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 60 "$OUT/$name.log"
+    echo "=== $name: rc=$rc in $(( $(date +%s) - t0 ))s" | tee -a "$OUT/summary.txt"
+}
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    echo "cpu cores: $(nproc)"
+    if ! $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -n 3; then
+        echo "editable install failed: using PYTHONPATH=$PWD"
+    fi
+    $PY -c "import quantkit" 2>/dev/null || export PYTHONPATH=$PWD
+    $PY -c "import torch, triton, transformers, quantkit; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, 'quantkit from', quantkit.__file__, 'cuda', torch.version.cuda,
+torch.cuda.get_device_name(0))"
+} 2>&1 | tee "$OUT/env.txt"
+$PY -c "import quantkit" 2>/dev/null || export PYTHONPATH=$PWD
+
+step tests 140 $PY -m pytest -q -p no:cacheprovider -o addopts="-ra --durations=10" \
+    tests/test_gpu.py tests/test_kernels.py tests/test_quant_linear.py tests/test_engine.py -m "not slow" \
+    -k "test_gpu or test_kernels or triton or cuda or paged"
+step kernels 90 $PY scripts/bench_kernels.py --warmup 10 --rep 50 --json "$OUT/kernels.json"
+step decode8b 170 $PY scripts/bench_decode_8b.py --device cuda --json "$OUT/decode8b.json"
+step gptq 130 $PY scripts/bench_gptq_gpu.py
+
+echo "=== all steps in $(( $(date +%s) - START ))s" | tee -a "$OUT/summary.txt"
+cat "$OUT/summary.txt"

@@ -1,0 +1,138 @@
+"""CUDA-only checks: the Triton kernels on real GPU tensors, in the dtypes a GPU serves (fp16, bf16),
+and the paged-KV engine on CUDA against transformers' forward on the same GPU. Skipped without a
+GPU (CI has none; the interpreter runs the same kernels on CPU tensors in the other test files);
+``scripts/gpu_check.sh`` runs them on a lent GPU. Oracles are plain PyTorch: the fp32 dequantized
+weight through ``F.linear``, and transformers' own forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantkit.engine import LLMEngine, engine_logits_fn
+from quantkit.kernels import triton_support
+from quantkit.quantizers.grid import rtn_quantize
+from quantkit.runtime import QuantLinear
+from test_engine import TINY, _ForcingSampler
+from test_quant_linear import build, make_qw, rel_err
+from tiny_models import assert_pool_full, greedy, prompts, tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or triton_support.INTERPRET,
+                                reason="needs a CUDA GPU (Triton compiled for it, not the interpreter)")
+
+CUDA = "cuda"
+# fp32 runs ieee dots; fp16/bf16 accumulate in fp32 and round the output once, so the error to the
+# fp32 oracle is the output's own rounding (fp16 ~5e-4, bf16 ~4e-3 relative) plus the activations'.
+REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("fmt,bits,gs,sym,dynamic", [
+    ("gptq", 4, 128, True, False),
+    ("gptq", 4, 64, False, False),
+    ("awq", 4, 64, False, False),  # the AWQ layout runs through the one-time repack to gptq
+    ("gptq", 4, 32, False, True),  # act-order: rows sorted once, activation columns permuted per call
+    ("compressed-tensors", 8, -1, True, False),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_quant_linear_triton_on_cuda(fmt, bits, gs, sym, dynamic, dtype):
+    """Every M regime of the dequant GEMM (GEMV at 1, padded dot at 2-16, tiled GEMM above)."""
+    qw = make_qw(384, 512, bits, gs, sym, seed=5, dynamic=dynamic)
+    m = build(qw, fmt, "triton", dtype=dtype).to(CUDA)
+    w = qw.dequantize(torch.float32).to(CUDA)
+    for rows in (1, 7, 16, 33, 300):
+        x = torch.randn(rows, 512, device=CUDA).to(dtype)
+        y = m(x)
+        assert m._impl.name == "triton" and m._impl.fallback is None
+        assert y.dtype == dtype and y.device.type == CUDA
+        want = F.linear(x.float(), w) + qw.bias.to(CUDA)
+        assert rel_err(y, want) < REL_TOL[dtype], (rows, rel_err(y, want))
+
+
+def _dequantized_copy(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(int4 model with QuantLinear on the triton backend, the same model with the dequantized fp32
+    weights in plain nn.Linear): the second is the oracle for the first."""
+    import copy
+
+    quant, plain = copy.deepcopy(model), copy.deepcopy(model)
+    for layer_q, layer_p in zip(quant.model.layers, plain.model.layers):
+        for parent_name in ("self_attn", "mlp"):
+            pq, pp = getattr(layer_q, parent_name), getattr(layer_p, parent_name)
+            for name, lin in list(pq.named_children()):
+                if not isinstance(lin, nn.Linear):
+                    continue
+                qw = rtn_quantize(lin.weight.data.float().cpu(), 4, 32, False,
+                                  None if lin.bias is None else lin.bias.data.float().cpu())
+                setattr(pq, name, QuantLinear.from_quantized(qw, "gptq", dtype=torch.float32,
+                                                             backend="triton").to(CUDA))
+                getattr(pp, name).weight.data.copy_(qw.dequantize(torch.float32))
+    return quant, plain
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_every_family_logits_on_cuda(name):
+    """Prefill logits at every position and teacher-forced decode logits (the Triton paged decode
+    kernel reading K/V back from the cache) against transformers' forward on the same GPU, fp32.
+    cuBLAS and SDPA reduce in other orders than the engine's kernels: 1e-4 as on CPU."""
+    model = tiny_model(name.split("-")[0], **TINY[name]).to(CUDA)
+    x = torch.randint(3, 256, (2, 19), generator=torch.Generator().manual_seed(4)).to(CUDA)
+    with torch.no_grad():
+        want = model(x).logits
+    fn = engine_logits_fn(model, block_size=4)
+    torch.testing.assert_close(fn(x), want, atol=1e-4, rtol=1e-4)
+    eng = LLMEngine(model, block_size=4, num_kv_blocks=12)
+    assert eng.runner.use_triton
+    forced = x[0, 8:].tolist()
+    eng.sampler = _ForcingSampler(forced)
+    eng.generate([x[0, :8].tolist()], greedy(len(forced), ignore_eos=True))
+    torch.testing.assert_close(torch.stack(eng.sampler.logits), want[0, 7:-1], atol=1e-4, rtol=1e-4)
+    assert_pool_full(eng)
+
+
+def test_greedy_on_cuda_with_preemption_matches_transformers():
+    """Continuous batching on a pool too small for all three sequences (preemption and recompute)."""
+    model = tiny_model("llama", num_hidden_layers=1).to(CUDA)
+    ps = prompts(3, [6, 3, 9], seed=2)
+    want = []
+    for p in ps:
+        x = torch.tensor([p], device=CUDA)
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        want.append(out[0, len(p):].tolist())
+    eng = LLMEngine(model, block_size=4, num_kv_blocks=4, max_num_seqs=3)
+    assert eng.runner.use_triton
+    got = eng.generate(ps, greedy(6))
+    assert [g["token_ids"] for g in got] == want
+    assert eng.get_metrics()["num_preemptions"] > 0
+    assert_pool_full(eng)
+
+
+def test_int4_engine_on_cuda_matches_dequantized_oracle():
+    """The engine with int4 Triton linears on CUDA: its prefill and decode logits equal a plain
+    transformers forward whose nn.Linear weights are the dequantized fp32 weights."""
+    quant, plain = _dequantized_copy(tiny_model("llama").to(CUDA))
+    x = torch.randint(3, 256, (2, 21), generator=torch.Generator().manual_seed(6)).to(CUDA)
+    with torch.no_grad():
+        want = plain(x).logits
+    torch.testing.assert_close(engine_logits_fn(quant, block_size=8)(x), want, atol=1e-4, rtol=1e-4)
+    eng = LLMEngine(quant, block_size=4, num_kv_blocks=12)
+    forced = x[1, 10:].tolist()
+    eng.sampler = _ForcingSampler(forced)
+    eng.generate([x[1, :10].tolist()], greedy(len(forced), ignore_eos=True))
+    torch.testing.assert_close(torch.stack(eng.sampler.logits), want[1, 9:-1], atol=1e-4, rtol=1e-4)
+    assert_pool_full(eng)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_engine_on_cuda_tracks_transformers(dtype):
+    """fp16/bf16 on CUDA, the dtypes users serve in: the engine's logits against transformers' in
+    the same dtype, both compared with the fp32 forward: the engine may not be worse than transformers
+    by more than half again (a wrong cast or an fp16 overflow would be orders of magnitude worse)."""
+    model32 = tiny_model("llama").to(CUDA)
+    x = torch.randint(3, 256, (4, 33), generator=torch.Generator().manual_seed(7)).to(CUDA)
+    with torch.no_grad():
+        ref = model32(x).logits
+        model = model32.to(dtype)
+        hf = model(x).logits.float()
+    got = engine_logits_fn(model, block_size=8)(x).float()
+    err_hf, err_engine = rel_err(hf, ref), rel_err(got, ref)
+    assert err_engine <= 1.5 * err_hf + 1e-4, (err_engine, err_hf)
