@@ -53,6 +53,24 @@ def _bench(fn, warmup, rep):
     return do_bench(fn, warmup=warmup, rep=rep)  # milliseconds
 
 
+def _bench_graph(fn, warmup, rep, calls=20):
+    """Milliseconds per call of `fn` replayed from a CUDA graph of `calls` calls: the GPU's own time,
+    without the Python and launch overhead that eager timing of a small call mostly measures."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (and autotuning) outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return _bench(graph.replay, warmup, rep) / calls
+
+
 def _int4pack_setup(torch, k, n, group_size, device):
     """tinygemm operands (random: only the timing matters). Returns a callable factory or None."""
     try:
@@ -74,6 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sym", action="store_true", help="symmetric weights (no qzeros)")
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="time every op replayed from a CUDA graph (kernel time without launch overhead)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
 
@@ -98,7 +118,10 @@ def main(argv=None) -> int:
     bits, gsz = args.bits, args.group_size
     torch.manual_seed(0)
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-          f"W{bits}A16 group {gsz} {'sym' if args.sym else 'asym'}")
+          f"W{bits}A16 group {gsz} {'sym' if args.sym else 'asym'} | "
+          f"{'CUDA-graph replay (no launch overhead)' if args.cuda_graph else 'eager calls (launch overhead included)'}")
+    timed = (lambda fn: _bench_graph(fn, args.warmup, args.rep)) if args.cuda_graph else (
+        lambda fn: _bench(fn, args.warmup, args.rep))
 
     rows = []
     hdr = (f"{'K x N':>12} {'M':>5} | {'wq ms':>8} {'TFLOP/s':>8} {'GB/s':>7} | {'fp16 ms':>8} "
@@ -124,17 +147,16 @@ def main(argv=None) -> int:
             y = K.dequant_gemm(x, qweight, scales, qzeros, None, bits, gsz)
             ref = x.float() @ w_fp16.float()
             relerr = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-            t_q = _bench(lambda: K.dequant_gemm(x, qweight, scales, qzeros, None, bits, gsz),
-                         args.warmup, args.rep)
-            t_h = _bench(lambda: torch.matmul(x, w_fp16), args.warmup, args.rep)
+            t_q = timed(lambda: K.dequant_gemm(x, qweight, scales, qzeros, None, bits, gsz))
+            t_h = timed(lambda: torch.matmul(x, w_fp16))
             t_i4 = None
             if int4mm is not None:
                 xb = x.to(torch.bfloat16)
                 try:
-                    t_i4 = _bench(lambda: int4mm(xb), args.warmup, args.rep)
+                    t_i4 = timed(lambda: int4mm(xb))
                 except Exception as exc:
                     print(f"  (int4pack_mm failed at M={m}: {str(exc).splitlines()[0]})", file=sys.stderr)
-            t_8 = _bench(lambda: K.w8a8_linear(x, w8, w8_scale), args.warmup, args.rep)
+            t_8 = timed(lambda: K.w8a8_linear(x, w8, w8_scale))
             flops = 2.0 * m * n * k
             gbs = (wbytes + m * k * 2 + m * n * 2) / (t_q * 1e-3) / 1e9
             row = dict(K=k, N=n, M=m, bits=bits, group_size=gsz, sym=args.sym,
@@ -151,7 +173,7 @@ def main(argv=None) -> int:
 
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda_graph=args.cuda_graph,
                            triton=triton.__version__, rows=rows), f, indent=2)
         print(f"# wrote {args.json}")
     return 0

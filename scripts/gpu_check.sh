@@ -5,12 +5,15 @@
 # quantkit itself without dependencies. Logs and tables go to $OUT (the device tool's return
 # folder) or ./gpu-check-out; at most 8 files.
 #
-#   bash scripts/gpu_check.sh
+#   bash scripts/gpu_check.sh                 # every step
+#   bash scripts/gpu_check.sh tests graph     # some of them
 #
 # Steps: tests (tests/test_gpu.py, test_kernels.py, test_quant_linear.py and the engine's Triton
-# tests on real CUDA tensors), bench_kernels.py (Triton W4A16 / W8A8 against cuBLAS fp16 and
-# PyTorch's int4 kernel), bench_decode_8b.py (Llama-3-8B-shaped batch-1 decode, engine int4 against
-# transformers fp16), bench_gptq_gpu.py (GPTQ wall time, cuda against the machine's cpu cores).
+# tests on real CUDA tensors), kernels and graph (bench_kernels.py: Triton W4A16 / W8A8 against
+# cuBLAS fp16 and PyTorch's int4 kernel, eager calls, then replayed from CUDA graphs so that launch
+# overhead drops out), decode8b (bench_decode_8b.py: Llama-3-8B-shaped batch-1 decode, engine int4
+# against transformers fp16), gptq (bench_gptq_gpu.py: GPTQ wall time, cuda against the machine's
+# cpu cores).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -43,12 +46,17 @@ torch.cuda.get_device_name(0))"
 } 2>&1 | tee "$OUT/env.txt"
 $PY -c "import quantkit" 2>/dev/null || export PYTHONPATH=$PWD
 
-step tests 140 $PY -m pytest -q -p no:cacheprovider -o addopts="-ra --durations=10" \
-    tests/test_gpu.py tests/test_kernels.py tests/test_quant_linear.py tests/test_engine.py -m "not slow" \
-    -k "test_gpu or test_kernels or triton or cuda or paged"
-step kernels 90 $PY scripts/bench_kernels.py --warmup 10 --rep 50 --json "$OUT/kernels.json"
-step decode8b 170 $PY scripts/bench_decode_8b.py --device cuda --json "$OUT/decode8b.json"
-step gptq 130 $PY scripts/bench_gptq_gpu.py
+STEPS=${*:-tests kernels graph decode8b gptq}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+
+# the tests take one fixed config per kernel: autotuning every shape they use would cost minutes
+want tests && QUANTKIT_TRITON_AUTOTUNE=0 step tests 150 $PY -m pytest -q -p no:cacheprovider \
+    -o addopts="-ra --durations=10" -m "not slow" -k "test_gpu or test_kernels or triton or cuda or paged" \
+    tests/test_gpu.py tests/test_kernels.py tests/test_quant_linear.py tests/test_engine.py
+want kernels && step kernels 80 $PY scripts/bench_kernels.py --ms 1,4,16,64,256,1024 --warmup 10 --rep 50
+want graph && step graph 80 $PY scripts/bench_kernels.py --ms 1,4,16,64,256,1024 --warmup 10 --rep 50 --cuda-graph
+want decode8b && step decode8b 120 $PY scripts/bench_decode_8b.py --device cuda --json "$OUT/decode8b.json"
+want gptq && step gptq 110 $PY scripts/bench_gptq_gpu.py --big-layers 1
 
 echo "=== all steps in $(( $(date +%s) - START ))s" | tee -a "$OUT/summary.txt"
 cat "$OUT/summary.txt"

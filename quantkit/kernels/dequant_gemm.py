@@ -23,7 +23,7 @@ kernel only ever sees contiguous groups (no per-element scale gather on the hot 
 
 Autotuning: on GPU a small config set keyed on ``(M_BUCKET, N, K, BITS)`` with ``M_BUCKET`` = M rounded
 up to a power of two. Under ``TRITON_INTERPRET=1`` a single fixed config is used, because the
-autotuner needs a GPU to time configs.
+autotuner needs a GPU to time configs; ``QUANTKIT_TRITON_AUTOTUNE=0`` takes one fixed GPU config too.
 """
 from __future__ import annotations
 
@@ -47,6 +47,11 @@ SMALL_M_MAX = 16  # rows at or below this take the split-K path
 # 64/128/per-channel the per-block path, so both are exercised by tests.
 _INTERP_SPLITK_CONFIG = dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=2)
 _INTERP_TILED_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4)
+# Fixed GPU configs when autotuning is off (QUANTKIT_TRITON_AUTOTUNE=0): candidates of the tuned sets.
+_GPU_SPLITK_CONFIG = dict(BLOCK_N=128, BLOCK_K=128, SPLIT_K=4)
+_GPU_TILED_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)
+_FIXED_SPLITK_CONFIG = _INTERP_SPLITK_CONFIG if INTERPRET else (None if triton_support.AUTOTUNE else _GPU_SPLITK_CONFIG)
+_FIXED_TILED_CONFIG = _INTERP_TILED_CONFIG if INTERPRET else (None if triton_support.AUTOTUNE else _GPU_TILED_CONFIG)
 
 
 def _next_pow2(v: int) -> int:
@@ -340,7 +345,7 @@ def dequant_gemm(
         # BLOCK_N] broadcast product spills registers on sm_90 for BLOCK_M >= 4 (checked with ptxas)
         block_m = 1 if m == 1 else 16
         out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
-        cfg = config if config is not None else (_INTERP_SPLITK_CONFIG if INTERPRET else None)
+        cfg = config if config is not None else _FIXED_SPLITK_CONFIG
         call_args = (
             x2, qweight, scales, qz, out, m, n, k, M_BUCKET,
             x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1),
@@ -355,7 +360,7 @@ def dequant_gemm(
         y = out if x.dtype == torch.float32 else out.to(x.dtype)
     else:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        cfg = config if config is not None else (_INTERP_TILED_CONFIG if INTERPRET else None)
+        cfg = config if config is not None else _FIXED_TILED_CONFIG
         call_args = (
             x2, qweight, scales, qz, y, m, n, k, M_BUCKET,
             x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1),

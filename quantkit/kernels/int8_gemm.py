@@ -25,6 +25,9 @@ from .triton_support import HAS_TRITON, INTERPRET, tl, triton
 
 # int8 dot needs K >= 32 per tile on NVIDIA; keep every dim >= 16 (the GPU minimum) even here.
 _INTERP_GEMM_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
+# with QUANTKIT_TRITON_AUTOTUNE=0 on GPU: one candidate of the tuned set
+_FIXED_GEMM_CONFIG = _INTERP_GEMM_CONFIG if INTERPRET else (
+    None if triton_support.AUTOTUNE else dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8))
 _QUANT_MAX_BLOCK = 4096
 
 
@@ -193,7 +196,7 @@ def int8_gemm(
         x_q.stride(0), x_q.stride(1), w_q.stride(0), w_q.stride(1), xs.stride(0), ws.stride(0),
         out.stride(0), out.stride(1),
     )
-    cfg = config if config is not None else (_INTERP_GEMM_CONFIG if INTERPRET else None)
+    cfg = config if config is not None else _FIXED_GEMM_CONFIG
     if cfg is not None:
         cfg = {"GROUP_M": 8, **cfg}
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)

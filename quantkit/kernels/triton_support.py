@@ -21,6 +21,11 @@ HAS_TRITON = triton is not None
 # Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when the kernel modules are imported.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
+# The GEMM kernels autotune on GPU: each new (M bucket, N, K) key compiles and times every candidate
+# config, seconds per key. QUANTKIT_TRITON_AUTOTUNE=0 takes one fixed config instead (the GPU tests,
+# or a quick start); the interpreter always does (its timings would mean nothing).
+AUTOTUNE = not INTERPRET and os.environ.get("QUANTKIT_TRITON_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
+
 
 def runs_for(t) -> bool:
     """Whether a Triton kernel runs on tensor `t`: triton present and `t` on CUDA (or the interpreter on)."""
