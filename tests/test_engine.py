@@ -534,7 +534,9 @@ def test_paged_decode_triton_quantized_cache(kv_dtype):
     scale = 16 ** -0.5
     ref = pa.paged_attention_decode_reference(q, kq, vq, tables, lens, scale, ks, vs)
     torch.testing.assert_close(ref, _loop_attention(q, kq, vq, tables, lens, scale, ks, vs), atol=1e-5, rtol=1e-5)
-    out = pa.paged_attention_decode(q, kq, vq, tables, lens, scale, ks, vs, use_triton=True)
+    dev = "cuda" if torch.cuda.is_available() and not triton_support.INTERPRET else "cpu"  # real GPU tensors there
+    on = [t.to(dev) for t in (q, kq, vq, tables, lens)]
+    out = pa.paged_attention_decode(*on, scale, ks.to(dev), vs.to(dev), use_triton=True).cpu()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     exact = pa.paged_attention_decode_reference(q, k, v, tables, lens, scale)
     assert (out - exact).abs().max() < (0.05 if kv_dtype == torch.int8 else 0.2)

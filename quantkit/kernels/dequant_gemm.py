@@ -47,9 +47,12 @@ SMALL_M_MAX = 16  # rows at or below this take the split-K path
 # 64/128/per-channel the per-block path, so both are exercised by tests.
 _INTERP_SPLITK_CONFIG = dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=2)
 _INTERP_TILED_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4)
-# Fixed GPU configs when autotuning is off (QUANTKIT_TRITON_AUTOTUNE=0): candidates of the tuned sets.
+# Fixed GPU configs when autotuning is off (QUANTKIT_TRITON_AUTOTUNE=0). The tiled one is small
+# because it must fit every activation dtype: on an H200, 64 x 128 x 64 tiles needed 352 KiB of
+# shared memory with fp32 activations and 248 KiB with fp16 at group 64 (limit 227 KiB); the
+# autotuner skips such configs, a fixed one cannot.
 _GPU_SPLITK_CONFIG = dict(BLOCK_N=128, BLOCK_K=128, SPLIT_K=4)
-_GPU_TILED_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)
+_GPU_TILED_CONFIG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8)
 _FIXED_SPLITK_CONFIG = _INTERP_SPLITK_CONFIG if INTERPRET else (None if triton_support.AUTOTUNE else _GPU_SPLITK_CONFIG)
 _FIXED_TILED_CONFIG = _INTERP_TILED_CONFIG if INTERPRET else (None if triton_support.AUTOTUNE else _GPU_TILED_CONFIG)
 
