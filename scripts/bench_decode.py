@@ -92,7 +92,9 @@ def hf_decode(model, prompt: list[int], n: int) -> dict:
 def engine_decode(engine, prompt: list[int], n: int) -> dict:
     from quantkit.engine import SamplingParams
 
-    engine.generate([prompt[:8]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
+    # warm-up at the timed prompt's length (on GPU the prefill's GEMM shape is autotuned on first use),
+    # reversed so that the prefix cache cannot serve the timed prompt's blocks
+    engine.generate([prompt[::-1]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     engine.reset_metrics()
     t0 = time.perf_counter()
     out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
