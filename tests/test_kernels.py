@@ -351,6 +351,10 @@ compile_(DG._dequant_tiled_kernel, dq("*fp16", "*fp16", "*fp16"),
 compile_(DG._dequant_tiled_kernel, dq("*fp32", "*fp16", "*fp32"),
          dict(BITS=8, GROUP_SIZE=32, HAS_ZEROS=False, DOT_PRECISION="ieee",
               BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8))
+fixed = dict(DG._GPU_TILED_CONFIG)  # QUANTKIT_TRITON_AUTOTUNE=0's config, at its largest (fp32, group 32)
+compile_(DG._dequant_tiled_kernel, dq("*fp32", "*fp32", "*fp32"),
+         dict(BITS=4, GROUP_SIZE=32, HAS_ZEROS=True, DOT_PRECISION="ieee",
+              **{k: v for k, v in fixed.items() if k != "num_stages"}), num_stages=fixed["num_stages"])
 compile_(I8._int8_gemm_kernel, {"a_ptr": "*i8", "b_ptr": "*i8", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
                                 "bias_ptr": "*fp16", "c_ptr": "*fp16"},
          dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8))
@@ -358,6 +362,30 @@ compile_(I8._per_token_quant_kernel, {"x_ptr": "*fp16", "q_ptr": "*i8", "s_ptr":
          dict(BLOCK=4096, ONE_PASS=False))
 print("compiled")
 '''
+
+
+def test_autotune_switch_picks_the_fixed_gpu_configs():
+    """QUANTKIT_TRITON_AUTOTUNE=0 (read at import) replaces autotuning by one fixed config per GEMM on
+    a GPU; the interpreter always takes its own fixed configs. Fresh processes: the flag is read once."""
+    import subprocess
+
+    probe = ("import importlib; D = importlib.import_module('quantkit.kernels.dequant_gemm'); "
+             "I = importlib.import_module('quantkit.kernels.int8_gemm'); "
+             "print(D._FIXED_SPLITK_CONFIG == D._GPU_SPLITK_CONFIG, D._FIXED_TILED_CONFIG == D._GPU_TILED_CONFIG, "
+             "D._FIXED_TILED_CONFIG == D._INTERP_TILED_CONFIG, I._FIXED_GEMM_CONFIG is None)")
+    base = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "QUANTKIT_TRITON_AUTOTUNE")}
+
+    def run(**env):
+        r = subprocess.run([sys.executable, "-c", probe], env={**base, **env}, cwd=str(ROOT), capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.split()
+
+    if not DG.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    assert run(QUANTKIT_TRITON_AUTOTUNE="0") == ["True", "True", "False", "False"]
+    assert run() == ["False", "False", "False", "True"]  # autotuned: no fixed config
+    assert run(TRITON_INTERPRET="1", QUANTKIT_TRITON_AUTOTUNE="1") == ["False", "False", "True", "False"]
 
 
 @pytest.mark.skipif(DEVICE == "cuda" and not DG.INTERPRET,
