@@ -71,6 +71,31 @@ def _bench_graph(fn, warmup, rep, calls=20):
     return _bench(graph.replay, warmup, rep) / calls
 
 
+def overhead_breakdown(torch, K, R, shape, bits, gsz, args, dev: str = "cuda") -> None:
+    """Where an eager M = 1 dequant-GEMM call's time goes (the first H200 run: 0.06-0.14 ms eager
+    against 0.01-0.03 ms replayed from a CUDA graph). Each line is a measured time, not a difference."""
+    k, n = shape
+    qweight = R.pack_gptq_qweight(torch.randint(0, 2**bits, (k, n), dtype=torch.int32, device=dev), bits)
+    scales = (torch.rand(k // gsz, n, device=dev) * 0.01 + 1e-3).half()
+    qzeros = R.pack_gptq_qzeros(torch.randint(0, 2**bits, (k // gsz, n), dtype=torch.int32, device=dev), bits)
+    x = torch.randn(1, k, dtype=torch.float16, device=dev)
+    fixed = {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4}
+    eager = lambda fn: _bench(fn, args.warmup, args.rep)  # noqa: E731
+    rows = [
+        ("dequant_gemm, autotuned, eager", eager(lambda: K.dequant_gemm(x, qweight, scales, qzeros, None, bits, gsz))),
+        ("dequant_gemm, fixed config (no autotuner), eager",
+         eager(lambda: K.dequant_gemm(x, qweight, scales, qzeros, None, bits, gsz, config=fixed))),
+        ("its allocations alone (fp32 zeros + cast), eager",
+         eager(lambda: torch.zeros(1, n, dtype=torch.float32, device=dev).to(torch.float16))),
+        ("an empty-ish CUDA op (x.add_(0)), eager", eager(lambda: x.add_(0))),
+        ("dequant_gemm, autotuned, CUDA-graph replay",
+         _bench_graph(lambda: K.dequant_gemm(x, qweight, scales, qzeros, None, bits, gsz), args.warmup, args.rep)),
+    ]
+    print(f"\n# eager overhead of one M = 1 call, {k}x{n} W{bits}A16 g{gsz} (ms per call)")
+    for name, ms in rows:
+        print(f"{name:>52}: {ms:.4f}")
+
+
 def _int4pack_setup(torch, k, n, group_size, device):
     """tinygemm operands (random: only the timing matters). Returns a callable factory or None."""
     try:
@@ -94,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--cuda-graph", action="store_true",
                     help="time every op replayed from a CUDA graph (kernel time without launch overhead)")
+    ap.add_argument("--overhead", action="store_true",
+                    help="also split one M = 1 call's eager time: autotuner dispatch, allocations, GPU time")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
 
@@ -171,6 +198,8 @@ def main(argv=None) -> int:
         del qweight, scales, qzeros, w_fp16, w8, int4mm
         torch.cuda.empty_cache()
 
+    if args.overhead:
+        overhead_breakdown(torch, K, R, shapes[0], bits, gsz, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda_graph=args.cuda_graph,

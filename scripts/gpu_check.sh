@@ -53,7 +53,7 @@ want() { [[ " $STEPS " == *" $1 "* ]]; }
 want tests && QUANTKIT_TRITON_AUTOTUNE=0 step tests 150 $PY -m pytest -q -p no:cacheprovider \
     -o addopts="-ra --durations=10" -m "not slow" -k "test_gpu or test_kernels or triton or cuda or paged" \
     tests/test_gpu.py tests/test_kernels.py tests/test_quant_linear.py tests/test_engine.py
-want kernels && step kernels 90 $PY scripts/bench_kernels.py --ms 1,4,16,64,256,1024 --warmup 10 --rep 50
+want kernels && step kernels 100 $PY scripts/bench_kernels.py --ms 1,4,16,64,256,1024 --warmup 10 --rep 50 --overhead
 want graph && step graph 100 $PY scripts/bench_kernels.py --ms 1,4,16,64,256,1024 --warmup 10 --rep 50 --cuda-graph
 want decode8b && step decode8b 120 $PY scripts/bench_decode_8b.py --device cuda --json "$OUT/decode8b.json"
 want gptq && step gptq 110 $PY scripts/bench_gptq_gpu.py --big-layers 1
