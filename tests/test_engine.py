@@ -24,7 +24,7 @@ from quantkit.engine.sequence import Sequence, SequenceStatus
 from quantkit.errors import QuantkitError
 from quantkit.kernels import paged_attention as pa
 from quantkit.kernels import triton_support
-from tiny_models import assert_pool_full, greedy, hf_greedy, tiny_model
+from tiny_models import ForcingSampler, assert_engine_logits, assert_pool_full, greedy, hf_greedy, tiny_model
 from tiny_models import prompts as _prompts
 
 
@@ -626,14 +626,7 @@ def test_every_family_prefill_and_decode_logits_match_transformers(name):
     x = torch.randint(3, 256, (2, 19), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         want = model(x).logits
-    fn = engine_logits_fn(model, block_size=4)
-    torch.testing.assert_close(fn(x), want, atol=1e-4, rtol=1e-4)
-    eng = LLMEngine(model, block_size=4, num_kv_blocks=12)
-    forced = x[0, 8:].tolist()
-    eng.sampler = _ForcingSampler(forced)
-    eng.generate([x[0, :8].tolist()], greedy(len(forced), ignore_eos=True))
-    torch.testing.assert_close(torch.stack(eng.sampler.logits), want[0, 7:-1], atol=1e-4, rtol=1e-4)
-    assert_pool_full(eng)
+    assert_engine_logits(model, x, want)
 
 
 def test_engine_rejects_bad_input():
@@ -773,17 +766,6 @@ def test_demo_prefix_caching_skips_shared_blocks(demo):
     assert_pool_full(eng)
 
 
-class _ForcingSampler(Sampler):
-    """Feeds given tokens instead of sampling and records the logits (teacher forcing through decode)."""
-
-    def __init__(self, forced: list[int]):
-        self.forced, self.logits = forced, []
-
-    def __call__(self, logits, seqs):
-        self.logits.append(logits[0].float().clone())
-        return [self.forced[len(self.logits) - 1]]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
 def test_demo_quantized_kv_cache(demo, demo_reference, kv):
@@ -803,7 +785,7 @@ def test_demo_quantized_kv_cache(demo, demo_reference, kv):
     logits = {}
     for name in ("auto", kv):
         e = LLMEngine(model, tok, kv_cache_dtype=name, num_kv_blocks=4)
-        e.sampler = _ForcingSampler(ref)
+        e.sampler = ForcingSampler(ref)
         e.generate([prompt], greedy(len(ref), ignore_eos=True))
         logits[name] = torch.stack(e.sampler.logits)
         assert_pool_full(e)

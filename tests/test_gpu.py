@@ -14,9 +14,9 @@ from quantkit.engine import LLMEngine, engine_logits_fn
 from quantkit.kernels import triton_support
 from quantkit.quantizers.grid import rtn_quantize
 from quantkit.runtime import QuantLinear
-from test_engine import TINY, _ForcingSampler
+from test_engine import TINY
 from test_quant_linear import build, make_qw, rel_err
-from tiny_models import assert_pool_full, greedy, prompts, tiny_model
+from tiny_models import assert_engine_logits, assert_pool_full, greedy, prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or triton_support.INTERPRET,
                                 reason="needs a CUDA GPU (Triton compiled for it, not the interpreter)")
@@ -78,15 +78,7 @@ def test_every_family_logits_on_cuda(name):
     x = torch.randint(3, 256, (2, 19), generator=torch.Generator().manual_seed(4)).to(CUDA)
     with torch.no_grad():
         want = model(x).logits
-    fn = engine_logits_fn(model, block_size=4)
-    torch.testing.assert_close(fn(x), want, atol=1e-4, rtol=1e-4)
-    eng = LLMEngine(model, block_size=4, num_kv_blocks=12)
-    assert eng.runner.use_triton
-    forced = x[0, 8:].tolist()
-    eng.sampler = _ForcingSampler(forced)
-    eng.generate([x[0, :8].tolist()], greedy(len(forced), ignore_eos=True))
-    torch.testing.assert_close(torch.stack(eng.sampler.logits), want[0, 7:-1], atol=1e-4, rtol=1e-4)
-    assert_pool_full(eng)
+    assert assert_engine_logits(model, x, want).runner.use_triton
 
 
 def test_greedy_on_cuda_with_preemption_matches_transformers():
@@ -113,13 +105,7 @@ def test_int4_engine_on_cuda_matches_dequantized_oracle():
     x = torch.randint(3, 256, (2, 21), generator=torch.Generator().manual_seed(6)).to(CUDA)
     with torch.no_grad():
         want = plain(x).logits
-    torch.testing.assert_close(engine_logits_fn(quant, block_size=8)(x), want, atol=1e-4, rtol=1e-4)
-    eng = LLMEngine(quant, block_size=4, num_kv_blocks=12)
-    forced = x[1, 10:].tolist()
-    eng.sampler = _ForcingSampler(forced)
-    eng.generate([x[1, :10].tolist()], greedy(len(forced), ignore_eos=True))
-    torch.testing.assert_close(torch.stack(eng.sampler.logits), want[1, 9:-1], atol=1e-4, rtol=1e-4)
-    assert_pool_full(eng)
+    assert_engine_logits(quant, x, want, prefill_block_size=8, row=1, prefix=10)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

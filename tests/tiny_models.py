@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import transformers
 
-from quantkit.engine import LLMEngine, SamplingParams
+from quantkit.engine import LLMEngine, SamplingParams, engine_logits_fn
+from quantkit.engine.sampler import Sampler
 
 VOCAB = 256
 
@@ -70,3 +71,30 @@ def assert_pool_full(engine: LLMEngine) -> None:
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_used_blocks} KV blocks leaked"
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert engine.is_finished()
+
+
+class ForcingSampler(Sampler):
+    """Feeds given tokens instead of sampling and records the logits (teacher forcing through decode)."""
+
+    def __init__(self, forced: list[int]):
+        self.forced, self.logits = forced, []
+
+    def __call__(self, logits, seqs):
+        self.logits.append(logits[0].float().clone())
+        return [self.forced[len(self.logits) - 1]]
+
+
+def assert_engine_logits(model, x: torch.Tensor, want: torch.Tensor, prefill_block_size: int = 4, row: int = 0,
+                         prefix: int = 8) -> LLMEngine:
+    """The engine's prefill logits of `x` [B, T] at every position, then its decode logits along row
+    `row` teacher-forced after its first `prefix` tokens (K/V read back from the paged cache), equal
+    `want` (an independent forward's logits of `x`) within 1e-4; the pool ends full. Returns the
+    decoding engine."""
+    torch.testing.assert_close(engine_logits_fn(model, block_size=prefill_block_size)(x), want, atol=1e-4, rtol=1e-4)
+    eng = LLMEngine(model, block_size=4, num_kv_blocks=12)
+    forced = x[row, prefix:].tolist()
+    eng.sampler = ForcingSampler(forced)
+    eng.generate([x[row, :prefix].tolist()], greedy(len(forced), ignore_eos=True))
+    torch.testing.assert_close(torch.stack(eng.sampler.logits), want[row, prefix - 1:-1], atol=1e-4, rtol=1e-4)
+    assert_pool_full(eng)
+    return eng
