@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -120,8 +121,6 @@ def main(argv=None) -> int:
                              "tokens": f"{args.num_samples}x{args.seq_len}", **r})
                 print(json.dumps(rows[-1]), flush=True)
                 for p in (model_dir, tmp / f"big{layers}-out"):
-                    import shutil
-
                     shutil.rmtree(p, ignore_errors=True)
             per_layer = (timed[2 * args.big_layers] - timed[args.big_layers]) / args.big_layers
             rows.append({"shape": "llama3-8b", "device": "cuda", "seconds_per_decoder_layer": round(per_layer, 2)})

@@ -34,18 +34,15 @@ step() {  # step NAME LIMIT_S CMD...: runs CMD under a time limit, log to $OUT/N
     echo "=== $name: rc=$rc in $(( $(date +%s) - t0 ))s" | tee -a "$OUT/summary.txt"
 }
 
+$PY -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/env.txt" 2>&1
+$PY -c "import quantkit" 2>/dev/null || { echo "editable install failed: using PYTHONPATH=$PWD" >> "$OUT/env.txt"; export PYTHONPATH=$PWD; }
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
     echo "cpu cores: $(nproc)"
-    if ! $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -n 3; then
-        echo "editable install failed: using PYTHONPATH=$PWD"
-    fi
-    $PY -c "import quantkit" 2>/dev/null || export PYTHONPATH=$PWD
     $PY -c "import torch, triton, transformers, quantkit; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, 'quantkit from', quantkit.__file__, 'cuda', torch.version.cuda,
 torch.cuda.get_device_name(0))"
-} 2>&1 | tee "$OUT/env.txt"
-$PY -c "import quantkit" 2>/dev/null || export PYTHONPATH=$PWD
+} 2>&1 | tee -a "$OUT/env.txt"
 
 STEPS=${*:-tests kernels graph decode8b gptq}
 want() { [[ " $STEPS " == *" $1 "* ]]; }

@@ -55,8 +55,8 @@ _INTERP_TILED_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4)
 # BLOCK_K = 64 so that group 32 still takes the per-row scale path.
 _GPU_SPLITK_CONFIG = dict(BLOCK_N=128, BLOCK_K=128, SPLIT_K=4)
 _GPU_TILED_CONFIG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_stages=2)
-_FIXED_SPLITK_CONFIG = _INTERP_SPLITK_CONFIG if INTERPRET else (None if triton_support.AUTOTUNE else _GPU_SPLITK_CONFIG)
-_FIXED_TILED_CONFIG = _INTERP_TILED_CONFIG if INTERPRET else (None if triton_support.AUTOTUNE else _GPU_TILED_CONFIG)
+_FIXED_SPLITK_CONFIG = triton_support.fixed_config(_INTERP_SPLITK_CONFIG, _GPU_SPLITK_CONFIG)
+_FIXED_TILED_CONFIG = triton_support.fixed_config(_INTERP_TILED_CONFIG, _GPU_TILED_CONFIG)
 
 
 def _next_pow2(v: int) -> int:

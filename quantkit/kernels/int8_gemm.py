@@ -26,8 +26,8 @@ from .triton_support import HAS_TRITON, INTERPRET, tl, triton
 # int8 dot needs K >= 32 per tile on NVIDIA; keep every dim >= 16 (the GPU minimum) even here.
 _INTERP_GEMM_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)
 # with QUANTKIT_TRITON_AUTOTUNE=0 on GPU: one candidate of the tuned set
-_FIXED_GEMM_CONFIG = _INTERP_GEMM_CONFIG if INTERPRET else (
-    None if triton_support.AUTOTUNE else dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8))
+_FIXED_GEMM_CONFIG = triton_support.fixed_config(_INTERP_GEMM_CONFIG,
+                                                 dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8))
 _QUANT_MAX_BLOCK = 4096
 
 

@@ -8,6 +8,7 @@ False to take that path on a machine that has triton.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 try:
     import triton
@@ -25,6 +26,14 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "tr
 # config, seconds per key. QUANTKIT_TRITON_AUTOTUNE=0 takes one fixed config instead (the GPU tests,
 # or a quick start); the interpreter always does (its timings would mean nothing).
 AUTOTUNE = not INTERPRET and os.environ.get("QUANTKIT_TRITON_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def fixed_config(interpreter: dict, gpu: dict) -> Optional[dict]:
+    """The config a GEMM launches with instead of autotuning: `interpreter` under the interpreter,
+    `gpu` on a GPU with autotuning switched off, None (autotune) otherwise."""
+    if INTERPRET:
+        return interpreter
+    return None if AUTOTUNE else gpu
 
 
 def runs_for(t) -> bool:
