@@ -16,6 +16,10 @@ Decode tokens/s excludes the prefill: for transformers it is ``(N - 1) / (t(N) -
 ``generate`` calls, N and 1 new tokens), for the engine the time of its decode steps. Ratios
 are printed against both transformers rows.
 
+On CPU a row "PyTorch int4 kernel" runs the same int4 checkpoint with the cpu backend's own decode
+kernel switched off (``QUANTKIT_CPU_DECODE_KERNEL=0``: PyTorch's bf16 int4 kernel at every size), so
+the two kernels are compared in the same rounds.
+
 ``--lm-head-quant int8,int4`` adds rows for the int4 checkpoint (bf16 activations) decoding through
 an RTN copy of the LM head only (``LLMEngine(lm_head_quant=...)``, the tied embedding untouched) and
 prints what that costs in quality on held-out Lee text through the fp32 demo model: top-1 agreement
@@ -103,6 +107,24 @@ def engine_decode(engine, prompt: list[int], n: int) -> dict:
     m = engine.get_metrics()
     return {"decode_tokens_per_s": m["decode_tokens_per_s"], "tokens_per_s": n / wall, "ttft_ms": m["ttft_ms"],
             "tpot_ms": m["tpot_ms"]}
+
+
+def without_decode_kernel(build):
+    """``build()`` with the cpu backend's int4 decode kernel switched off (``QUANTKIT_CPU_DECODE_KERNEL=0``),
+    so the layers it builds keep PyTorch's int4 kernel at every size; the switch is restored after."""
+    from quantkit.runtime import backends
+
+    old = os.environ.get(backends.ENV_DECODE_KERNEL)
+    os.environ[backends.ENV_DECODE_KERNEL] = "0"
+    backends.cpu_decode_kernel.cache_clear()
+    try:
+        return build()
+    finally:
+        if old is None:
+            os.environ.pop(backends.ENV_DECODE_KERNEL)
+        else:
+            os.environ[backends.ENV_DECODE_KERNEL] = old
+        backends.cpu_decode_kernel.cache_clear()
 
 
 def batch_vs_sequential(engine, prompts: list[list[int]], n: int) -> dict:
@@ -261,6 +283,15 @@ def main(argv=None) -> int:
             measures[f"{name[:-1]}, {mode} head)"] = \
                 lambda e=LLMEngine(model, tok, num_kv_blocks=blocks, max_num_seqs=1, enable_prefix_caching=False,
                                    lm_head_quant=mode): engine_decode(e, prompt, N)
+    if not gpu:  # the same int4 checkpoint through PyTorch's int4 kernel at every size, for the A/B
+        name = "engine int4 rtn (backend cpu, PyTorch int4 kernel)"
+        measures[name] = None
+        try:
+            model = quantkit.load(str(ensure_checkpoint(4, workdir)), backend=backend, device=str(device))
+            keep.append(model)
+            measures[name] = lambda e=without_decode_kernel(lambda: engine_for(model, False)): engine_decode(e, prompt, N)
+        except Exception as exc:
+            failed(name, exc)
     if args.llamacpp_python:
         measures["llama.cpp (demo Q4_1 GGUF)"] = lambda: llamacpp_decode(args.llamacpp_python, prompt, N,
                                                                           torch.get_num_threads())

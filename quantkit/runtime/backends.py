@@ -8,6 +8,8 @@ checkpoint only through ``format.unpack``; it never adds bias (QuantLinear does)
   activations are cast to bf16 and the result back to the input dtype. The kernels are private
   aten ops, probed once against the reference (`cpu_kernel_problem`); a missing or disagreeing op,
   or a shape the kernel cannot take, falls back to a cached dequantized weight, one notice per reason.
+  At decode sizes (up to DECODE_ROWS rows) 4-bit layers take quantkit's own AVX2 kernel instead
+  (kernels.cpu_gemv: int8 activations, llama.cpp's arithmetic), where it compiles.
 - W8A8 weights (int8 activations too) go to `runtime.w8a8`'s backends of the same names.
 - triton: quantkit.kernels' dequant-GEMM (split-K for decode, tiled tl.dot for prefill) on a
   one-time repack to the gptq layout; falls back to a cached dequantized weight where Triton cannot
@@ -105,7 +107,50 @@ def _contiguous_groups(qw: QuantizedWeight) -> tuple[torch.Tensor | None, torch.
     return perm, qw.qweight[:, perm], gs
 
 
-def _int4_plan(qw: QuantizedWeight, device: torch.device) -> Callable:
+DECODE_ROWS = 16  # up to this many rows a 4-bit layer takes kernels.cpu_gemv's kernel (decode, verification)
+ENV_DECODE_KERNEL = "QUANTKIT_CPU_DECODE_KERNEL"  # "0": PyTorch's int4 kernel at every size (A/B runs)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_decode_kernel():
+    """kernels.cpu_gemv's compiled int4 kernel, built once per machine into the quantkit cache; None
+    when switched off (``QUANTKIT_CPU_DECODE_KERNEL=0``) or, with one notice saying why, when there is
+    no compiler, no AVX2, or its output disagrees with its PyTorch reference on a probe."""
+    import os
+
+    from quantkit.assets import cache_dir
+    from quantkit.kernels import cpu_gemv
+
+    if os.environ.get(ENV_DECODE_KERNEL, "1") == "0":
+        return None
+    kernel = cpu_gemv.CpuInt4Kernel(cache_dir() / "cpu-kernels")
+    problem = kernel.problem
+    if problem is None:
+        qw, x = _probe_case(4)
+        codes, scales, zeros = qw.qweight, qw.scales, qw.zeros
+        got = kernel.prepare(codes, scales, zeros, qw.group_size)(x.float())
+        want = cpu_gemv.reference_int4_gemv(x.float(), codes, scales, zeros, qw.group_size)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+            problem = "its output disagrees with its PyTorch reference on a probe"
+    if problem is not None:
+        notice(f"quantkit cpu backend: the int4 decode kernel is off ({problem}); PyTorch's kernel serves every size")
+        return None
+    return kernel
+
+
+def _int4_decode_plan(qw: QuantizedWeight, codes: torch.Tensor, gs: int, device: torch.device):
+    """The int8-activation kernel for up to DECODE_ROWS rows, or None where it does not apply."""
+    kernel = cpu_decode_kernel()
+    n, k = codes.shape
+    if kernel is None or device.type != "cpu" or gs % 32 or k % gs:
+        return None
+    return kernel.prepare(codes, qw.scales, qw.zeros, gs)
+
+
+def _int4_plan(qw: QuantizedWeight, device: torch.device, decode_kernel: bool = True) -> Callable:
+    """PyTorch's packed int4 kernel (activations rounded to bf16), and for a few rows, where it builds
+    and the groups allow, kernels.cpu_gemv's (activations quantized to int8 per 32, llama.cpp's
+    arithmetic; 1.5-2x faster there on an AVX2 machine). Output: bf16 from the first, fp32 from the second."""
     n, k = qw.qweight.shape
     if n % 16:
         raise ValueError(f"int4 kernel needs out_features divisible by 16 (got {n})")
@@ -121,10 +166,13 @@ def _int4_plan(qw: QuantizedWeight, device: torch.device) -> Callable:
     scales_and_zeros = scales_and_zeros.to(torch.bfloat16).contiguous().to(device)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).to(device), 2)
     perm = None if perm is None else perm.to(device)
+    decode = _int4_decode_plan(qw, codes, gs, device) if decode_kernel else None
 
     def run(x2: torch.Tensor) -> torch.Tensor:
         if perm is not None:
             x2 = x2[:, perm]
+        if decode is not None and x2.shape[0] <= DECODE_ROWS:
+            return decode(x2)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), packed,
                                                           kernel_gs, scales_and_zeros)
     return run
@@ -157,7 +205,8 @@ def cpu_kernel_problem(bits: int) -> Optional[str]:
         return f"this PyTorch ({torch.__version__}) has no torch.ops.aten.{missing[0]}"
     qw, x = _probe_case(bits)
     try:
-        got = _CPU_PLANS[bits](qw, torch.device("cpu"))(x).float()
+        cpu = torch.device("cpu")  # PyTorch's op itself, not the decode kernel that serves few rows
+        got = (_int4_plan(qw, cpu, decode_kernel=False) if bits == 4 else _CPU_PLANS[bits](qw, cpu))(x).float()
     except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
         return f"its {bits}-bit CPU kernel failed on a probe ({first_line(e)})"
     want = F.linear(x.float(), qw.dequantize())
@@ -202,12 +251,11 @@ class CpuBackend:
     def matmul_fn(self, dtype: torch.dtype) -> Callable:
         """``x [M, in] -> [M, out]`` in `dtype`, without ``__call__``'s shape handling: for loops that call
         a layer thousands of times with one small row (the engine's CPU decode), where that costs as
-        much as the kernel's own set-up. The kernels compute in bf16 whatever `dtype` is."""
+        much as the kernel's own set-up. PyTorch's kernels compute in bf16 whatever `dtype` is, the
+        int4 decode kernel in fp32 (int8 activations), so the output is cast to `dtype` (a no-op when equal)."""
         if self.fallback is not None:
             return self.fallback
         kernel = self.kernel
-        if dtype == torch.bfloat16:
-            return kernel
         return lambda x2: kernel(x2).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
