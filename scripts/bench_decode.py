@@ -20,7 +20,7 @@ On CPU a row "PyTorch int4 kernel" runs the same int4 checkpoint with the cpu ba
 kernel switched off (``QUANTKIT_CPU_DECODE_KERNEL=0``: PyTorch's bf16 int4 kernel at every size), so
 the two kernels are compared in the same rounds.
 
-``--lm-head-quant int8,int4`` adds rows for the int4 checkpoint (bf16 activations) decoding through
+``--lm-head-quant int8,int4`` adds rows for the int4 checkpoint (fp32 activations) decoding through
 an RTN copy of the LM head only (``LLMEngine(lm_head_quant=...)``, the tied embedding untouched) and
 prints what that costs in quality on held-out Lee text through the fp32 demo model: top-1 agreement
 and mean KL(full head || quantized head) of the next-token distributions.
@@ -262,8 +262,9 @@ def main(argv=None) -> int:
     tmp = None
     workdir = Path(args.workdir) if args.workdir else Path(tmp := tempfile.mkdtemp(prefix="qk-bench-"))
     backend = "auto" if gpu else "cpu"
-    # on CPU the int4/int8 kernels compute in bf16 whatever the activations' dtype: bf16 activations
-    # also skip two casts per linear and halve the LM head's bytes, so both are shown
+    # on CPU, decode-sized int4/int8 matmuls run quantkit's int8-activation kernels (fp32 in and out)
+    # and PyTorch's bf16 kernels above 16 rows; bf16 activations halve the LM head's bytes but make
+    # every other op slower on AVX2, so both are shown
     act_dtypes = (None, "bfloat16") if not gpu else (None,)
     batch_model = None
     for bits, act_dtype in [(b, d) for b in (4, 8) for d in act_dtypes]:
@@ -279,7 +280,7 @@ def main(argv=None) -> int:
         keep.append(model)
         if bits == 4 and act_dtype is None:
             batch_model = (name, model)
-        for mode in [m for m in args.lm_head_quant.split(",") if m] if (bits, act_dtype) == (4, "bfloat16") else []:
+        for mode in [m for m in args.lm_head_quant.split(",") if m] if (bits, act_dtype) == (4, None) else []:
             measures[f"{name[:-1]}, {mode} head)"] = \
                 lambda e=LLMEngine(model, tok, num_kv_blocks=blocks, max_num_seqs=1, enable_prefix_caching=False,
                                    lm_head_quant=mode): engine_decode(e, prompt, N)

@@ -1,4 +1,4 @@
-"""kernels.cpu_gemv: the AVX2 int4 kernel the cpu backend uses at decode sizes.
+"""kernels.cpu_gemv: the AVX2 int4 and int8 kernels the cpu backend uses at decode sizes.
 
 Oracles: the packing against nibbles read back by hand; the kernel against its plain PyTorch
 reference (same arithmetic, fp64 sums: they agree to float32 summation-order error, ~1e-6 of the
@@ -26,7 +26,7 @@ AVX2 = sys.platform == "linux" and torch.backends.cpu.get_cpu_capability() in ("
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    k = cpu_gemv.CpuInt4Kernel(tmp_path_factory.mktemp("cpu-kernels"))
+    k = cpu_gemv.CpuGemvKernels(tmp_path_factory.mktemp("cpu-kernels"))
     if not AVX2:
         assert k.lib is None and "AVX2" in k.problem
         pytest.skip(k.problem)
@@ -60,11 +60,37 @@ def test_kernel_matches_its_reference(kernel, n, k, gs, sym, m):
     codes, scales, zeros, group, g = _weights(n, k, gs, sym, seed=n + k + m)
     x = torch.randn(m, k, generator=g)
     x[0, :32] = 0.0  # an all-zero activation block (scale 0) must give 0, not NaN
-    got = kernel.prepare(codes, scales, zeros, group)(x)
+    got = kernel.prepare_int4(codes, scales, zeros, group)(x)
     want = cpu_gemv.reference_int4_gemv(x, codes, scales, zeros, group)
     assert got.shape == (m, n) and got.dtype == torch.float32
     assert torch.isfinite(got).all()
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("n,k", [(96, 256), (37, 576), (64, 1536)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 17])
+def test_int8_kernel_matches_its_reference(kernel, n, k, m):
+    g = torch.Generator().manual_seed(n + k + m)
+    weight = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)  # -128 too: |q| = 128 unsigned
+    scales = torch.rand(n, 1, generator=g) * 0.01
+    x = torch.randn(m, k, generator=g)
+    x[-1, 32:64] = 0.0
+    got = kernel.prepare_int8(weight, scales)(x)
+    want = cpu_gemv.reference_int8_gemv(x, weight, scales)
+    assert got.shape == (m, n) and torch.isfinite(got).all()
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_int8_reference_is_the_exact_product_up_to_activation_rounding():
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randint(-127, 128, (32, 128), generator=g, dtype=torch.int8)
+    scales = torch.rand(32, 1, generator=g)
+    x = torch.randn(3, 128, generator=g)
+    w = (weight.double() * scales.double())
+    err = (cpu_gemv.reference_int8_gemv(x, weight, scales).double() - x.double() @ w.t()).abs()
+    _, d = cpu_gemv.quantize_activations(x)
+    bound = (d / 2).expand(-1, -1, 32).reshape(3, 128).double() @ w.abs().t()
+    assert (err <= bound * 1.0001 + 1e-6).all() and err.max() > 0
 
 
 def test_reference_is_the_exact_product_up_to_activation_rounding():
@@ -84,7 +110,7 @@ def test_reference_is_the_exact_product_up_to_activation_rounding():
 def test_rows_do_not_depend_on_the_batch(kernel):
     """Speculative verification (k + 1 rows) must see the same numbers as one-row decode, bit for bit."""
     codes, scales, zeros, group, g = _weights(64, 576, 64, False, seed=9)
-    gemv = kernel.prepare(codes, scales, zeros, group)
+    gemv = kernel.prepare_int4(codes, scales, zeros, group)
     x = torch.randn(9, 576, generator=g)
     together = gemv(x)
     for i in range(9):
@@ -92,7 +118,7 @@ def test_rows_do_not_depend_on_the_batch(kernel):
 
 
 def test_it_shares_pytorchs_openmp_runtime(kernel):
-    """The kernel's threads are PyTorch's own pool only if one libgomp is mapped (cpu_int4_gemv.c)."""
+    """The kernel's threads are PyTorch's own pool only if one libgomp is mapped (cpu_gemv.c)."""
     runtimes = cpu_gemv._openmp_runtimes()
     assert len(runtimes) == 1 and kernel.threads_ok
 
@@ -101,7 +127,7 @@ def test_a_failed_build_is_a_reason_not_a_crash(tmp_path, monkeypatch):
     if not AVX2:
         pytest.skip("the build is only tried on AVX2")
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    k = cpu_gemv.CpuInt4Kernel(tmp_path / "build")
+    k = cpu_gemv.CpuGemvKernels(tmp_path / "build")
     assert k.lib is None and "could not build" in k.problem
     assert not list((tmp_path / "build").glob("*.so"))  # nothing half-written left behind
 
@@ -118,7 +144,7 @@ def test_cpu_backend_takes_the_kernel_up_to_decode_rows(kernel):
     if backends.cpu_decode_kernel() is None:
         pytest.fail("the cpu backend did not get the decode kernel on an AVX2 machine")
     qw, layer = _layer(96, 256, 64)
-    gemv = kernel.prepare(qw.qweight, qw.scales, qw.zeros, 64)
+    gemv = kernel.prepare_int4(qw.qweight, qw.scales, qw.zeros, 64)
     few = torch.randn(backends.DECODE_ROWS, 256)
     assert torch.equal(layer(few), gemv(few) + qw.bias)  # the decode kernel, bias added after
     many = torch.randn(backends.DECODE_ROWS + 1, 256)
@@ -126,6 +152,19 @@ def test_cpu_backend_takes_the_kernel_up_to_decode_rows(kernel):
     assert not torch.allclose(y, gemv(many) + qw.bias, rtol=0, atol=1e-6)
     exact = F.linear(many, qw.dequantize(), qw.bias)
     assert ((y - exact).norm() / exact.norm()) < 1e-2
+
+
+def test_cpu_backend_int8_takes_the_kernel_up_to_decode_rows(kernel):
+    g = torch.Generator().manual_seed(4)
+    qw = rtn_quantize(torch.randn(64, 256, generator=g) * 0.05, 8, -1, True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = QuantLinear.from_quantized(qw, "compressed-tensors", dtype=torch.float32, backend="cpu")
+    gemv = kernel.prepare_int8(qw.signed_int8(), qw.scales)
+    few = torch.randn(3, 256, generator=g)
+    assert torch.equal(layer(few), gemv(few))
+    exact = F.linear(few, qw.dequantize())
+    assert ((layer(few) - exact).norm() / exact.norm()) < 1e-2
 
 
 def test_the_switch_turns_it_off_in_a_fresh_process():

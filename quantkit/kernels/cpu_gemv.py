@@ -1,12 +1,13 @@
-"""A CPU kernel for 4-bit weights at decode sizes (a few rows), and its plain PyTorch reference.
+"""CPU kernels for 4-bit and 8-bit weights at decode sizes (a few rows), and their plain PyTorch references.
 
 Why: PyTorch's packed int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) multiplies one row by a
 576 x 3072 weight at ~6 GMAC/s per core on an AVX2 machine, so a batch-1 decode step of the demo
 model spends more time in its 120 projections than llama.cpp spends on the whole step. llama.cpp's
 trick is to quantize the activations too (int8 in blocks of 32) and do the dot products in integer
-SIMD; ``cpu_int4_gemv.c`` does the same on quantkit's own 4-bit layout (any group size that is a
-multiple of 32, asymmetric or symmetric). It changes the arithmetic the way llama.cpp's does: see
-:func:`reference_int4_gemv` for exactly what it computes.
+SIMD; ``cpu_gemv.c`` does the same on quantkit's own 4-bit layout (any group size that is a
+multiple of 32, asymmetric or symmetric) and on symmetric per-row int8 weights (``_weight_int8pack_mm``
+is no faster: 3.9 ms for the demo's 49152 x 576 LM head). It changes the arithmetic the way
+llama.cpp's does: :func:`reference_int4_gemv` and :func:`reference_int8_gemv` say exactly what it computes.
 
 The C file is compiled once per machine with the system C compiler (``gcc -O3 -mavx2 -mfma
 -fopenmp``) into a cache folder and loaded with ctypes; where there is no compiler, no AVX2, or the
@@ -26,7 +27,7 @@ from typing import Optional
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_int4_gemv.c")
+SOURCE = Path(__file__).with_name("cpu_gemv.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 32  # activation block, and the granularity group sizes must respect
 
@@ -60,9 +61,18 @@ def reference_int4_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     return (x_dequant @ w.t()).float()
 
 
+def reference_int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The int8 kernel in plain PyTorch (fp64 sums): x quantized per block of 32 and dequantized,
+    times ``w = scales[:, None] * weight`` (int8 weight, one scale per output row)."""
+    m, k = x.shape
+    xq, d = quantize_activations(x)
+    w = weight.double() * scales.double().reshape(-1, 1)
+    return ((xq * d).reshape(m, k).double() @ w.t()).float()
+
+
 def _library_path(build_dir: Path) -> Path:
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return build_dir / f"cpu_int4_gemv-{key}.so"
+    return build_dir / f"cpu_gemv-{key}.so"
 
 
 def _build(build_dir: Path) -> Path:
@@ -123,7 +133,31 @@ class Int4Gemv:
         return y
 
 
-class CpuInt4Kernel:
+class Int8Gemv:
+    """One int8 weight (symmetric, one scale per output row) for the C kernel: ``gemv(x [M, K] fp32) -> [M, N] fp32``."""
+
+    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, scales: torch.Tensor, threads_ok: bool):
+        n, k = weight.shape
+        if weight.dtype != torch.int8 or k % BLOCK:
+            raise ValueError(f"needs an int8 weight with in_features a multiple of {BLOCK}, not {weight.dtype} x {k}")
+        self.n, self.k = n, k
+        self.weight = weight.contiguous()
+        self.scale = scales.float().reshape(n).contiguous()
+        self._fn = lib.quantkit_int8_gemm
+        self._threads_ok = threads_ok
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self.n, dtype=torch.float32)
+        threads = torch.get_num_threads() if self._threads_ok else 1
+        if self._fn(x.data_ptr(), m, self.k, self.n, self.weight.data_ptr(), self.scale.data_ptr(), y.data_ptr(),
+                    threads) != 0:
+            raise MemoryError("int8 CPU kernel: scratch allocation failed")
+        return y
+
+
+class CpuGemvKernels:
     """The compiled library, or why there is none (``problem``)."""
 
     def __init__(self, build_dir: Path):
@@ -141,12 +175,19 @@ class CpuInt4Kernel:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.quantkit_int4_gemm.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
         lib.quantkit_int4_gemm.restype = ctypes.c_int
+        lib.quantkit_int8_gemm.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
+        lib.quantkit_int8_gemm.restype = ctypes.c_int
         self.lib = lib
         # one OpenMP runtime means the kernel's threads are PyTorch's own pool; a second one would
         # leave two pools spinning against each other, so then the kernel stays on one thread
         self.threads_ok = len(_openmp_runtimes()) <= 1
 
-    def prepare(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> Int4Gemv:
+    def prepare_int4(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> Int4Gemv:
         if self.lib is None:
-            raise RuntimeError(f"the int4 CPU kernel is unavailable: {self.problem}")
+            raise RuntimeError(f"the CPU gemv kernels are unavailable: {self.problem}")
         return Int4Gemv(self.lib, codes, scales, zeros, group_size, self.threads_ok)
+
+    def prepare_int8(self, weight: torch.Tensor, scales: torch.Tensor) -> Int8Gemv:
+        if self.lib is None:
+            raise RuntimeError(f"the CPU gemv kernels are unavailable: {self.problem}")
+        return Int8Gemv(self.lib, weight, scales, self.threads_ok)

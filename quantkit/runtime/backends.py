@@ -8,8 +8,8 @@ checkpoint only through ``format.unpack``; it never adds bias (QuantLinear does)
   activations are cast to bf16 and the result back to the input dtype. The kernels are private
   aten ops, probed once against the reference (`cpu_kernel_problem`); a missing or disagreeing op,
   or a shape the kernel cannot take, falls back to a cached dequantized weight, one notice per reason.
-  At decode sizes (up to DECODE_ROWS rows) 4-bit layers take quantkit's own AVX2 kernel instead
-  (kernels.cpu_gemv: int8 activations, llama.cpp's arithmetic), where it compiles.
+  At decode sizes (up to DECODE_ROWS rows) 4-bit and per-channel 8-bit layers take quantkit's own
+  AVX2 kernels instead (kernels.cpu_gemv: int8 activations, llama.cpp's arithmetic), where they compile.
 - W8A8 weights (int8 activations too) go to `runtime.w8a8`'s backends of the same names.
 - triton: quantkit.kernels' dequant-GEMM (split-K for decode, tiled tl.dot for prefill) on a
   one-time repack to the gptq layout; falls back to a cached dequantized weight where Triton cannot
@@ -107,15 +107,15 @@ def _contiguous_groups(qw: QuantizedWeight) -> tuple[torch.Tensor | None, torch.
     return perm, qw.qweight[:, perm], gs
 
 
-DECODE_ROWS = 16  # up to this many rows a 4-bit layer takes kernels.cpu_gemv's kernel (decode, verification)
-ENV_DECODE_KERNEL = "QUANTKIT_CPU_DECODE_KERNEL"  # "0": PyTorch's int4 kernel at every size (A/B runs)
+DECODE_ROWS = 16  # up to this many rows 4- and 8-bit layers take kernels.cpu_gemv's kernels (decode, verification)
+ENV_DECODE_KERNEL = "QUANTKIT_CPU_DECODE_KERNEL"  # "0": PyTorch's kernels at every size (A/B runs)
 
 
 @functools.lru_cache(maxsize=None)
 def cpu_decode_kernel():
-    """kernels.cpu_gemv's compiled int4 kernel, built once per machine into the quantkit cache; None
+    """kernels.cpu_gemv's compiled int4/int8 kernels, built once per machine into the quantkit cache; None
     when switched off (``QUANTKIT_CPU_DECODE_KERNEL=0``) or, with one notice saying why, when there is
-    no compiler, no AVX2, or its output disagrees with its PyTorch reference on a probe."""
+    no compiler, no AVX2, or their output disagrees with their PyTorch references on a probe."""
     import os
 
     from quantkit.assets import cache_dir
@@ -123,17 +123,20 @@ def cpu_decode_kernel():
 
     if os.environ.get(ENV_DECODE_KERNEL, "1") == "0":
         return None
-    kernel = cpu_gemv.CpuInt4Kernel(cache_dir() / "cpu-kernels")
+    kernel = cpu_gemv.CpuGemvKernels(cache_dir() / "cpu-kernels")
     problem = kernel.problem
-    if problem is None:
-        qw, x = _probe_case(4)
-        codes, scales, zeros = qw.qweight, qw.scales, qw.zeros
-        got = kernel.prepare(codes, scales, zeros, qw.group_size)(x.float())
-        want = cpu_gemv.reference_int4_gemv(x.float(), codes, scales, zeros, qw.group_size)
+    for bits in (4, 8) if problem is None else ():
+        qw, x = _probe_case(bits)
+        if bits == 4:
+            got = kernel.prepare_int4(qw.qweight, qw.scales, qw.zeros, qw.group_size)(x.float())
+            want = cpu_gemv.reference_int4_gemv(x.float(), qw.qweight, qw.scales, qw.zeros, qw.group_size)
+        else:
+            got = kernel.prepare_int8(qw.signed_int8(), qw.scales)(x.float())
+            want = cpu_gemv.reference_int8_gemv(x.float(), qw.signed_int8(), qw.scales)
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
-            problem = "its output disagrees with its PyTorch reference on a probe"
+            problem = f"its {bits}-bit output disagrees with its PyTorch reference on a probe"
     if problem is not None:
-        notice(f"quantkit cpu backend: the int4 decode kernel is off ({problem}); PyTorch's kernel serves every size")
+        notice(f"quantkit cpu backend: the decode kernels are off ({problem}); PyTorch's kernels serve every size")
         return None
     return kernel
 
@@ -144,7 +147,7 @@ def _int4_decode_plan(qw: QuantizedWeight, codes: torch.Tensor, gs: int, device:
     n, k = codes.shape
     if kernel is None or device.type != "cpu" or gs % 32 or k % gs:
         return None
-    return kernel.prepare(codes, qw.scales, qw.zeros, gs)
+    return kernel.prepare_int4(codes, qw.scales, qw.zeros, gs)
 
 
 def _int4_plan(qw: QuantizedWeight, device: torch.device, decode_kernel: bool = True) -> Callable:
@@ -178,13 +181,18 @@ def _int4_plan(qw: QuantizedWeight, device: torch.device, decode_kernel: bool = 
     return run
 
 
-def _int8_plan(qw: QuantizedWeight, device: torch.device) -> Callable:
+def _int8_plan(qw: QuantizedWeight, device: torch.device, decode_kernel: bool = True) -> Callable:
+    """PyTorch's int8 kernel (bf16), and up to DECODE_ROWS rows kernels.cpu_gemv's where it builds."""
     if qw.n_groups != 1:
         raise ValueError("int8 kernel needs per-channel scales (group_size -1)")
     w_int8 = qw.signed_int8().to(device)
     scales = qw.scales[:, 0].to(torch.bfloat16).contiguous().to(device)
+    kernel = cpu_decode_kernel() if decode_kernel and device.type == "cpu" else None
+    decode = kernel.prepare_int8(w_int8, qw.scales) if kernel is not None and qw.qweight.shape[1] % 32 == 0 else None
 
     def run(x2: torch.Tensor) -> torch.Tensor:
+        if decode is not None and x2.shape[0] <= DECODE_ROWS:
+            return decode(x2)
         return torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), w_int8, scales)
     return run
 
@@ -206,7 +214,7 @@ def cpu_kernel_problem(bits: int) -> Optional[str]:
     qw, x = _probe_case(bits)
     try:
         cpu = torch.device("cpu")  # PyTorch's op itself, not the decode kernel that serves few rows
-        got = (_int4_plan(qw, cpu, decode_kernel=False) if bits == 4 else _CPU_PLANS[bits](qw, cpu))(x).float()
+        got = _CPU_PLANS[bits](qw, cpu, decode_kernel=False)(x).float()
     except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
         return f"its {bits}-bit CPU kernel failed on a probe ({first_line(e)})"
     want = F.linear(x.float(), qw.dequantize())

@@ -1,4 +1,4 @@
-/* int4 weights times int8-quantized activations on AVX2 CPUs, for a few rows at a time (decode).
+/* int4 (and int8) weights times int8-quantized activations on AVX2 CPUs, a few rows at a time (decode).
  *
  * The arithmetic is llama.cpp's Q4 x Q8_0: each row of x is quantized in blocks of 32 to int8
  * (d = max|x| / 127, xq = round(x / d)), each block's integer dot with the 4-bit codes is one
@@ -116,6 +116,72 @@ static void gemv_rows(const int8_t *xq, const float *xd, const float *xs, int64_
     for (int64_t n0 = tiles * NR; n0 < N; n0++) /* the last N % NR outputs, one at a time */
         for (int64_t m = 0; m < M; m++)
             tile(1, 1, xq + m * K, xd + m * (K / QK), xs + m * (K / G), K, N, w, scale, zoff, G, n0, y + m * N);
+}
+
+/* The int8 counterpart of tile(): w [N, K] int8 with one scale per output row (w = scale_n * q),
+ * signed x signed through the sign trick (|q| unsigned times x with q's sign), as llama.cpp's Q8_0. */
+static inline __attribute__((always_inline)) void tile8(const int MR, const int NR, const int8_t *xq, const float *xd,
+                                                        int64_t K, int64_t N, const int8_t *w, const float *scale,
+                                                        int64_t n0, float *y) {
+    const int64_t nb = K / QK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4][4];
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i q[4], qabs[4];
+        for (int r = 0; r < NR; r++) {
+            q[r] = _mm256_loadu_si256((const __m256i *)(w + (n0 + r) * K + b * QK));
+            qabs[r] = _mm256_sign_epi8(q[r], q[r]);
+        }
+        for (int m = 0; m < MR; m++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + b * QK));
+            const __m256 d = _mm256_set1_ps(xd[m * nb + b]);
+            for (int r = 0; r < NR; r++) {
+                const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(qabs[r], _mm256_sign_epi8(xv, q[r])), ones);
+                acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[m][r]);
+            }
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++) y[m * N + n0 + r] = scale[n0 + r] * hsum256(acc[m][r]);
+}
+
+static void gemv8_rows(const int8_t *xq, const float *xd, int64_t M, int64_t K, int64_t N, const int8_t *w,
+                       const float *scale, float *y, int nthreads) {
+    const int NR = M <= 2 ? 4 : 2;
+    const int64_t tiles = N / NR;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * NR;
+        switch (M * 10 + NR) {
+        case 14: tile8(1, 4, xq, xd, K, N, w, scale, n0, y); break;
+        case 24: tile8(2, 4, xq, xd, K, N, w, scale, n0, y); break;
+        case 32: tile8(3, 2, xq, xd, K, N, w, scale, n0, y); break;
+        default: tile8(4, 2, xq, xd, K, N, w, scale, n0, y); break;
+        }
+    }
+    for (int64_t n0 = tiles * NR; n0 < N; n0++)
+        for (int64_t m = 0; m < M; m++) tile8(1, 1, xq + m * K, xd + m * (K / QK), K, N, w, scale, n0, y + m * N);
+}
+
+/* int8 weights (per-row scale) times int8-quantized x: any M; 0, or -1 when allocation fails. K % 32 == 0. */
+int quantkit_int8_gemm(const float *x, int64_t M, int64_t K, int64_t N, const int8_t *w, const float *scale,
+                       float *y, int nthreads) {
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(M * (K / QK)));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)M);
+    if (!xq || !xd || !xs) {
+        free(xq); free(xd); free(xs);
+        return -1;
+    }
+    quantize_rows(x, M, K, K, xq, xd, xs);
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+        const int64_t rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+        gemv8_rows(xq + m0 * K, xd + m0 * (K / QK), rows, K, N, w, scale, y + m0 * N, nthreads);
+    }
+    free(xq); free(xd); free(xs);
+    return 0;
 }
 
 /* The entry point: any M (taken MAX_ROWS rows per pass over the weights). Returns 0, or -1 when the
