@@ -84,7 +84,7 @@ def predicted(alpha: float, k: int, c: float) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draft", default=None, help="draft checkpoint (default: an RTN int4 one made in --workdir)")
-    ap.add_argument("--draft-dtype", default="bfloat16", help="draft activations (the packed int4 kernel computes in bf16)")
+    ap.add_argument("--draft-dtype", default="float32", help="draft activations (the CPU decode kernels take fp32)")
     ap.add_argument("--draft-lm-head-quant", default="int8", help="the draft's LM head: int8, int4 or none (a "
                     "cheaper draft step; the target's head is never quantized)")
     ap.add_argument("--ks", default="1,2,3,4,5,6,7,8")
