@@ -34,9 +34,9 @@ the same rounds with the same prompt tokens, threads and new tokens, prefill exc
 Then batch 16: the int4 model through the engine with 16 different random prompts submitted at
 once (continuous batching) against the same 16 prompts run one after another (prefix caching off
 for both); output tokens/s of each and the ratio. "identical outputs" counts requests whose greedy
-tokens agree between the two; in bf16 (the int4 checkpoint's activations) a batched matmul
-rounds differently from a single-row one, so near-ties on random prompts can flip (in fp32 they
-all agree).
+tokens agree between the two. The decode kernels compute each row alone (batch-invariant), but
+the prefill of 16 prompts at once goes through PyTorch's bf16 int4 kernel at another size than one
+prompt's, which may round differently, so near-ties on random prompts can flip.
 
     python scripts/bench_decode.py                       # CPU (or GPU when present)
     python scripts/bench_decode.py --repeats 5 --batch 0  # medians of 5 interleaved rounds

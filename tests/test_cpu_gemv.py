@@ -107,6 +107,20 @@ def test_reference_is_the_exact_product_up_to_activation_rounding():
     assert err.max() > 0  # it does round the activations (this is not the fp32 product)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_activation_poisons_its_row_as_in_pytorch(kernel, bad):
+    """fmaxf skips NaN, so without a check a NaN input would vanish into a finite output."""
+    codes, scales, zeros, group, g = _weights(32, 128, 64, False, seed=2)
+    x = torch.randn(3, 128, generator=g)
+    x[1, 70] = bad
+    got = kernel.prepare_int4(codes, scales, zeros, group)(x)
+    assert got[1].isnan().all() and torch.isfinite(got[[0, 2]]).all()
+    assert cpu_gemv.reference_int4_gemv(x, codes, scales, zeros, group)[1].isnan().all()
+    w8 = torch.randint(-127, 128, (32, 128), generator=g, dtype=torch.int8)
+    got8 = kernel.prepare_int8(w8, torch.rand(32, 1, generator=g))(x)
+    assert got8[1].isnan().all() and torch.isfinite(got8[[0, 2]]).all()
+
+
 def test_rows_do_not_depend_on_the_batch(kernel):
     """Speculative verification (k + 1 rows) must see the same numbers as one-row decode, bit for bit."""
     codes, scales, zeros, group, g = _weights(64, 576, 64, False, seed=9)

@@ -40,10 +40,13 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t G, int8_
         const float *xr = x + m * K;
         for (int64_t b = 0; b < K / QK; b++) {
             const float *xb = xr + b * QK;
-            float amax = 0.0f;
-            for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-            float d = amax / 127.0f;
-            float id = d > 0.0f ? 1.0f / d : 0.0f;
+            float amax = 0.0f, poison = 0.0f;
+            for (int j = 0; j < QK; j++) {
+                amax = fmaxf(amax, fabsf(xb[j]));  /* fmaxf skips NaN: ... */
+                poison += xb[j] * 0.0f;            /* ... so NaN/inf are caught here (x * 0 is NaN only for them) */
+            }
+            float d = isnan(poison) ? NAN : amax / 127.0f;  /* a non-finite input makes the outputs NaN, as in PyTorch */
+            float id = d > 0.0f && !isnan(d) ? 1.0f / d : 0.0f;
             int32_t sum = 0;
             for (int j = 0; j < QK; j++) {
                 const int8_t v = (int8_t)nearbyintf(xb[j] * id);

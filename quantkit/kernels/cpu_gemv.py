@@ -5,13 +5,13 @@ Why: PyTorch's packed int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) multipli
 model spends more time in its 120 projections than llama.cpp spends on the whole step. llama.cpp's
 trick is to quantize the activations too (int8 in blocks of 32) and do the dot products in integer
 SIMD; ``cpu_gemv.c`` does the same on quantkit's own 4-bit layout (any group size that is a
-multiple of 32, asymmetric or symmetric) and on symmetric per-row int8 weights (``_weight_int8pack_mm``
-is no faster: 3.9 ms for the demo's 49152 x 576 LM head). It changes the arithmetic the way
+multiple of 32, asymmetric or symmetric) and on symmetric per-row int8 weights (PyTorch's
+``_weight_int8pack_mm`` is as slow at one row; scripts/bench_cpu_gemv.py compares both). It changes the arithmetic the way
 llama.cpp's does: :func:`reference_int4_gemv` and :func:`reference_int8_gemv` say exactly what it computes.
 
 The C file is compiled once per machine with the system C compiler (``gcc -O3 -mavx2 -mfma
 -fopenmp``) into a cache folder and loaded with ctypes; where there is no compiler, no AVX2, or the
-build fails, :func:`load` says why and the caller keeps PyTorch's kernel.
+build fails, ``CpuGemvKernels.problem`` says why and the caller keeps PyTorch's kernels.
 """
 from __future__ import annotations
 

@@ -144,8 +144,7 @@ def cpu_decode_kernel():
 def _int4_decode_plan(qw: QuantizedWeight, codes: torch.Tensor, gs: int, device: torch.device):
     """The int8-activation kernel for up to DECODE_ROWS rows, or None where it does not apply."""
     kernel = cpu_decode_kernel()
-    n, k = codes.shape
-    if kernel is None or device.type != "cpu" or gs % 32 or k % gs:
+    if kernel is None or device.type != "cpu" or gs % 32 or codes.shape[1] % gs:
         return None
     return kernel.prepare_int4(codes, qw.scales, qw.zeros, gs)
 
@@ -153,7 +152,8 @@ def _int4_decode_plan(qw: QuantizedWeight, codes: torch.Tensor, gs: int, device:
 def _int4_plan(qw: QuantizedWeight, device: torch.device, decode_kernel: bool = True) -> Callable:
     """PyTorch's packed int4 kernel (activations rounded to bf16), and for a few rows, where it builds
     and the groups allow, kernels.cpu_gemv's (activations quantized to int8 per 32, llama.cpp's
-    arithmetic; 1.5-2x faster there on an AVX2 machine). Output: bf16 from the first, fp32 from the second."""
+    arithmetic; 2.0-2.4x faster at one row on the demo's shapes, scripts/bench_cpu_gemv.py). Output: bf16
+    from the first, fp32 from the second."""
     n, k = qw.qweight.shape
     if n % 16:
         raise ValueError(f"int4 kernel needs out_features divisible by 16 (got {n})")
@@ -260,7 +260,7 @@ class CpuBackend:
         """``x [M, in] -> [M, out]`` in `dtype`, without ``__call__``'s shape handling: for loops that call
         a layer thousands of times with one small row (the engine's CPU decode), where that costs as
         much as the kernel's own set-up. PyTorch's kernels compute in bf16 whatever `dtype` is, the
-        int4 decode kernel in fp32 (int8 activations), so the output is cast to `dtype` (a no-op when equal)."""
+        decode kernels in fp32 (int8 activations), so the output is cast to `dtype` (a no-op when equal)."""
         if self.fallback is not None:
             return self.fallback
         kernel = self.kernel
