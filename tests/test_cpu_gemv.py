@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,9 +133,22 @@ def test_rows_do_not_depend_on_the_batch(kernel):
 
 
 def test_it_shares_pytorchs_openmp_runtime(kernel):
-    """The kernel's threads are PyTorch's own pool only if one libgomp is mapped (cpu_gemv.c)."""
+    """The kernel's threads are PyTorch's own pool only if one OpenMP runtime is mapped (cpu_gemv.c)."""
     runtimes = cpu_gemv._openmp_runtimes()
     assert len(runtimes) == 1 and kernel.threads_ok
+    assert Path(runtimes.pop()).parent == Path(torch.__file__).parent / "lib"  # PyTorch's own copy
+
+
+def test_a_second_openmp_runtime_keeps_the_kernel_on_one_thread(kernel, tmp_path, monkeypatch):
+    """...with the same numbers: each output is one thread's sum in a fixed order."""
+    assert kernel.threads_ok
+    monkeypatch.setattr(cpu_gemv, "_openmp_runtimes", lambda: {"/x/libgomp.so.1", "/y/libiomp5.so"})
+    k = cpu_gemv.CpuGemvKernels(tmp_path)
+    assert k.problem is None and not k.threads_ok
+    codes, scales, zeros, group, g = _weights(32, 128, 64, False, seed=5)
+    x = torch.randn(2, 128, generator=g)
+    gemv = k.prepare_int4(codes, scales, zeros, group)
+    assert torch.equal(gemv(x), kernel.prepare_int4(codes, scales, zeros, group)(x))
 
 
 def test_a_failed_build_is_a_reason_not_a_crash(tmp_path, monkeypatch):

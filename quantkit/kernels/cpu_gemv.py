@@ -97,13 +97,18 @@ def _build(build_dir: Path) -> Path:
     return lib
 
 
+OPENMP_LIBRARIES = ("libgomp", "libiomp", "libomp")  # GNU, Intel (conda builds of PyTorch), LLVM
+
+
 def _openmp_runtimes() -> set[str]:
-    """The libgomp files mapped into this process (Linux; empty elsewhere)."""
+    """The OpenMP runtime files mapped into this process (Linux; empty elsewhere): one means the
+    kernel's libgomp is PyTorch's; two (e.g. PyTorch on Intel's libiomp5) would be two thread pools."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return set()
-    return {line.split()[-1] for line in maps.splitlines() if "libgomp" in line.rsplit("/", 1)[-1]}
+    return {line.split()[-1] for line in maps.splitlines()
+            if line.rsplit("/", 1)[-1].startswith(OPENMP_LIBRARIES)}
 
 
 class Int4Gemv:
