@@ -160,6 +160,19 @@ def test_a_failed_build_is_a_reason_not_a_crash(tmp_path, monkeypatch):
     assert not list((tmp_path / "build").glob("*.so"))  # nothing half-written left behind
 
 
+def test_a_hung_compiler_is_a_reason_not_a_hang(tmp_path, monkeypatch):
+    if not AVX2:
+        pytest.skip("the build is only tried on AVX2")
+    hung = tmp_path / "hung-cc"
+    hung.write_text("#!/bin/sh\nsleep 30\n")
+    hung.chmod(0o755)
+    monkeypatch.setenv("CC", str(hung))
+    monkeypatch.setattr(cpu_gemv, "BUILD_TIMEOUT_S", 1)
+    k = cpu_gemv.CpuGemvKernels(tmp_path / "build")
+    assert k.lib is None and "did not finish in 1 s" in k.problem
+    assert not list((tmp_path / "build").glob("*.so"))
+
+
 def _layer(n, k, gs, dtype=torch.float32):
     g = torch.Generator().manual_seed(n + k)
     qw = rtn_quantize(torch.randn(n, k, generator=g) * 0.05, 4, gs, False, bias=torch.randn(n, generator=g))

@@ -30,6 +30,7 @@ import torch
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 32  # activation block, and the granularity group sizes must respect
+BUILD_TIMEOUT_S = 300  # a compiler that hangs must not hang the first model load (a build takes ~1 s)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -88,7 +89,11 @@ def _build(build_dir: Path) -> Path:
     fd, part = tempfile.mkstemp(dir=build_dir, prefix=".tmp-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", part], capture_output=True, text=True)
+        try:
+            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", part], capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{Path(compiler).name} did not finish in {BUILD_TIMEOUT_S} s") from None
         if done.returncode != 0:
             raise RuntimeError(f"{Path(compiler).name} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
         os.replace(part, lib)
