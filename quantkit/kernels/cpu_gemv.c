@@ -101,9 +101,13 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int N
         }
 }
 
-/* y [M, N] = x [M, K] @ dequant(w).T for M <= MAX_ROWS (4 here). scale, zoff: [N, K/G] (zoff = -scale * zero). */
+/* y [M, N] = x [M, K] @ w.T for M <= MAX_ROWS (4 here), given x quantized (xq, xd, xs); one per weight type. */
+typedef void (*rows_fn)(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, int64_t N,
+                        const void *w, const float *scale, const float *zoff, int64_t G, float *y, int nthreads);
+
+/* rows_fn for 4-bit w [N, K/2]; scale, zoff: [N, K/G] (zoff = -scale * zero). */
 static void gemv_rows(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, int64_t N,
-                      const uint8_t *w, const float *scale, const float *zoff, int64_t G, float *y, int nthreads) {
+                      const void *w, const float *scale, const float *zoff, int64_t G, float *y, int nthreads) {
     const int NR = M <= 2 ? 4 : 2;
     const int64_t tiles = N / NR;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -150,8 +154,10 @@ static inline __attribute__((always_inline)) void tile8(const int MR, const int 
         for (int r = 0; r < NR; r++) y[m * N + n0 + r] = scale[n0 + r] * hsum256(acc[m][r]);
 }
 
-static void gemv8_rows(const int8_t *xq, const float *xd, int64_t M, int64_t K, int64_t N, const int8_t *w,
-                       const float *scale, float *y, int nthreads) {
+/* rows_fn for int8 w [N, K], one scale per row (xs, zoff and G unused). */
+static void gemv8_rows(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, int64_t N,
+                       const void *w, const float *scale, const float *zoff, int64_t G, float *y, int nthreads) {
+    (void)xs; (void)zoff; (void)G;
     const int NR = M <= 2 ? 4 : 2;
     const int64_t tiles = N / NR;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -168,29 +174,10 @@ static void gemv8_rows(const int8_t *xq, const float *xd, int64_t M, int64_t K, 
         for (int64_t m = 0; m < M; m++) tile8(1, 1, xq + m * K, xd + m * (K / QK), K, N, w, scale, n0, y + m * N);
 }
 
-/* int8 weights (per-row scale) times int8-quantized x: any M; 0, or -1 when allocation fails. K % 32 == 0. */
-int quantkit_int8_gemm(const float *x, int64_t M, int64_t K, int64_t N, const int8_t *w, const float *scale,
-                       float *y, int nthreads) {
-    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
-    float *xd = (float *)malloc(sizeof(float) * (size_t)(M * (K / QK)));
-    float *xs = (float *)malloc(sizeof(float) * (size_t)M);
-    if (!xq || !xd || !xs) {
-        free(xq); free(xd); free(xs);
-        return -1;
-    }
-    quantize_rows(x, M, K, K, xq, xd, xs);
-    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-        const int64_t rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
-        gemv8_rows(xq + m0 * K, xd + m0 * (K / QK), rows, K, N, w, scale, y + m0 * N, nthreads);
-    }
-    free(xq); free(xd); free(xs);
-    return 0;
-}
-
-/* The entry point: any M (taken MAX_ROWS rows per pass over the weights). Returns 0, or -1 when the
- * scratch allocation fails. K must be a multiple of G, and G of 32. */
-int quantkit_int4_gemm(const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *w, const float *scale,
-                       const float *zoff, int64_t G, float *y, int nthreads) {
+/* Quantize x, then run `rows` over it MAX_ROWS rows per pass over the weights. Returns 0, or -1
+ * when the scratch allocation fails. K must be a multiple of G, and G of 32. */
+static int gemm(rows_fn rows, const float *x, int64_t M, int64_t K, int64_t N, const void *w, const float *scale,
+                const float *zoff, int64_t G, float *y, int nthreads) {
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *xd = (float *)malloc(sizeof(float) * (size_t)(M * (K / QK)));
     float *xs = (float *)malloc(sizeof(float) * (size_t)(M * (K / G)));
@@ -200,10 +187,22 @@ int quantkit_int4_gemm(const float *x, int64_t M, int64_t K, int64_t N, const ui
     }
     quantize_rows(x, M, K, G, xq, xd, xs);
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-        const int64_t rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
-        gemv_rows(xq + m0 * K, xd + m0 * (K / QK), xs + m0 * (K / G), rows, K, N, w, scale, zoff, G, y + m0 * N,
-                  nthreads);
+        const int64_t n_rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+        rows(xq + m0 * K, xd + m0 * (K / QK), xs + m0 * (K / G), n_rows, K, N, w, scale, zoff, G, y + m0 * N,
+             nthreads);
     }
     free(xq); free(xd); free(xs);
     return 0;
+}
+
+/* 4-bit weights [N, K/2] (pack_int4's layout), scale and zoff [N, K/G]: any M. */
+int quantkit_int4_gemm(const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *w, const float *scale,
+                       const float *zoff, int64_t G, float *y, int nthreads) {
+    return gemm(gemv_rows, x, M, K, N, w, scale, zoff, G, y, nthreads);
+}
+
+/* int8 weights [N, K] with one scale per row: any M. K % 32 == 0. */
+int quantkit_int8_gemm(const float *x, int64_t M, int64_t K, int64_t N, const int8_t *w, const float *scale,
+                       float *y, int nthreads) {
+    return gemm(gemv8_rows, x, M, K, N, w, scale, NULL, K, y, nthreads);
 }

@@ -116,11 +116,36 @@ def _openmp_runtimes() -> set[str]:
             if line.rsplit("/", 1)[-1].startswith(OPENMP_LIBRARIES)}
 
 
-class Int4Gemv:
-    """One 4-bit weight packed for the C kernel: ``gemv(x [M, K] fp32) -> [M, N] fp32``."""
+class _Gemv:
+    """The call path both weight types share: ``gemv(x [M, K]) -> [M, N] fp32``; a subclass holds
+    its weight and says which entry point takes which tensors (``_launch``)."""
+
+    n: int
+    what: str
+
+    def __init__(self, threads_ok: bool):
+        self._threads_ok = threads_ok
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self.n, dtype=torch.float32)
+        threads = torch.get_num_threads() if self._threads_ok else 1
+        if self._launch(x.data_ptr(), m, y.data_ptr(), threads) != 0:
+            raise MemoryError(f"{self.what} CPU kernel: scratch allocation failed")
+        return y
+
+    def _launch(self, x_ptr: int, m: int, y_ptr: int, threads: int) -> int:
+        raise NotImplementedError
+
+
+class Int4Gemv(_Gemv):
+    """One 4-bit weight packed for the C kernel."""
+    what = "int4"
 
     def __init__(self, lib: ctypes.CDLL, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, threads_ok: bool):
+        super().__init__(threads_ok)
         n, k = codes.shape
         if k % group_size or group_size % BLOCK:
             raise ValueError(f"needs a group size that is a multiple of {BLOCK} and divides {k}, not {group_size}")
@@ -129,24 +154,18 @@ class Int4Gemv:
         self.scale = scales.float().contiguous()
         self.zoff = (-scales.float() * zeros.float()).contiguous()
         self._fn = lib.quantkit_int4_gemm
-        self._threads_ok = threads_ok
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float().contiguous()
-        m = x.shape[0]
-        y = torch.empty(m, self.n, dtype=torch.float32)
-        threads = torch.get_num_threads() if self._threads_ok else 1
-        rc = self._fn(x.data_ptr(), m, self.k, self.n, self.weight.data_ptr(), self.scale.data_ptr(),
-                      self.zoff.data_ptr(), self.group_size, y.data_ptr(), threads)
-        if rc != 0:
-            raise MemoryError("int4 CPU kernel: scratch allocation failed")
-        return y
+    def _launch(self, x_ptr: int, m: int, y_ptr: int, threads: int) -> int:
+        return self._fn(x_ptr, m, self.k, self.n, self.weight.data_ptr(), self.scale.data_ptr(),
+                        self.zoff.data_ptr(), self.group_size, y_ptr, threads)
 
 
-class Int8Gemv:
-    """One int8 weight (symmetric, one scale per output row) for the C kernel: ``gemv(x [M, K] fp32) -> [M, N] fp32``."""
+class Int8Gemv(_Gemv):
+    """One int8 weight (symmetric, one scale per output row) for the C kernel."""
+    what = "int8"
 
     def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, scales: torch.Tensor, threads_ok: bool):
+        super().__init__(threads_ok)
         n, k = weight.shape
         if weight.dtype != torch.int8 or k % BLOCK:
             raise ValueError(f"needs an int8 weight with in_features a multiple of {BLOCK}, not {weight.dtype} x {k}")
@@ -154,17 +173,9 @@ class Int8Gemv:
         self.weight = weight.contiguous()
         self.scale = scales.float().reshape(n).contiguous()
         self._fn = lib.quantkit_int8_gemm
-        self._threads_ok = threads_ok
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float().contiguous()
-        m = x.shape[0]
-        y = torch.empty(m, self.n, dtype=torch.float32)
-        threads = torch.get_num_threads() if self._threads_ok else 1
-        if self._fn(x.data_ptr(), m, self.k, self.n, self.weight.data_ptr(), self.scale.data_ptr(), y.data_ptr(),
-                    threads) != 0:
-            raise MemoryError("int8 CPU kernel: scratch allocation failed")
-        return y
+    def _launch(self, x_ptr: int, m: int, y_ptr: int, threads: int) -> int:
+        return self._fn(x_ptr, m, self.k, self.n, self.weight.data_ptr(), self.scale.data_ptr(), y_ptr, threads)
 
 
 class CpuGemvKernels:
