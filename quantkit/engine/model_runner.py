@@ -35,6 +35,7 @@ from quantkit.engine.sequence import Sequence
 from quantkit.errors import QuantkitError
 from quantkit.notices import notice
 from quantkit.platform_support import available_memory_bytes
+from quantkit.runtime.backends import DECODE_ROWS
 
 CPU_DEFAULT_FRACTION = 0.25
 CPU_DEFAULT_CAP = 4 << 30
@@ -121,6 +122,12 @@ class ModelRunner:
         self.num_blocks = int(num_blocks)
         self.kv_cache = KVCache(self.num_layers, self.num_blocks, block_size, self.num_kv_heads, self.head_dim,
                                 self.dtype, kv_cache_dtype, self.device)
+
+        from quantkit.engine import c_decode_step
+
+        # the whole layer stack of a few-token step in one C call where the model allows (engine.c_decode_step)
+        self.c_step, self.c_step_problem = c_decode_step.build(model, self.decoder, self.kv_cache, block_size,
+                                                               self.scale, self.rotary)
 
         from quantkit.kernels import triton_installed
         from quantkit.kernels.paged_attention import (decode_slots, extend_slots, paged_attention_decode,
@@ -229,6 +236,27 @@ class ModelRunner:
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta)
 
+    def _c_step_rows(self, rows: list[tuple[list[int], int, int, bool]]):
+        """(ids, positions, slots, tables) of the C step for rows (block table, position, token, write K/V?)."""
+        bs, dev = self.block_size, self.device
+        width = max(len(table) for table, _, _, _ in rows)
+        slots = [table[p // bs] * bs + p % bs if write else -1 for table, p, _, write in rows]
+        return (torch.tensor([t for _, _, t, _ in rows], dtype=torch.long, device=dev),
+                torch.tensor([p for _, p, _, _ in rows], dtype=torch.long, device=dev),
+                torch.tensor(slots, dtype=torch.long, device=dev),
+                torch.tensor([table + [0] * (width - len(table)) for table, _, _, _ in rows], dtype=torch.int32,
+                             device=dev))
+
+    def _c_forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   tables: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` through the C step (self.c_step): embedding, every layer in C, the final norm."""
+        dm = self.decoder
+        cos, sin = self.rotary.cos_sin(positions, torch.float32)
+        x = self.c_step(dm.embed(ids), positions, slots, tables, cos, RotaryEmbedding.signed_sin(sin))
+        for f in dm.post:
+            x = f(x)
+        return x
+
     # ------------------------------------------------------------------ forward
     def attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [N, H, D], k/v [N, KVH, D] (already written to the cache) -> [N, H, D]."""
@@ -333,6 +361,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """Logits [len(seqs), vocab] for each sequence's next token (fp32)."""
+        if not is_prefill and self.c_step is not None and len(seqs) <= DECODE_ROWS:
+            rows = [(seq.block_table, len(seq) - 1, seq.last_token, True) for seq in seqs]
+            return self.head(self._c_forward(*self._c_step_rows(rows))).float()
         input_ids, positions, meta = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
         hidden = self.forward(input_ids, positions, meta)
         if is_prefill:
@@ -344,9 +375,14 @@ class ModelRunner:
     def run_extend(self, reqs: list[ExtendRequest], last_only: bool = False) -> torch.Tensor:
         """Logits (fp32) after every new token of each request, [B, Q, vocab] (rows past a request's
         token count are padding), or after its last one only, [B, vocab]."""
-        input_ids, positions, meta = self.prepare_extend(reqs)
-        hidden = self.forward(input_ids, positions, meta)
-        B, Q = meta.extend_shape
+        B, Q = len(reqs), max(len(r.token_ids) for r in reqs)
+        if self.c_step is not None and B * Q <= DECODE_ROWS:  # padding rows as prepare_extend's: K/V not written
+            rows = [(r.block_table, r.start + min(j, len(r.token_ids) - 1), r.token_ids[min(j, len(r.token_ids) - 1)],
+                     j < len(r.token_ids)) for r in reqs for j in range(Q)]
+            hidden = self._c_forward(*self._c_step_rows(rows))
+        else:
+            input_ids, positions, meta = self.prepare_extend(reqs)
+            hidden = self.forward(input_ids, positions, meta)
         if last_only:
             hidden = hidden[torch.tensor([b * Q + len(r.token_ids) - 1 for b, r in enumerate(reqs)], device=self.device)]
             return self.head(hidden).float()

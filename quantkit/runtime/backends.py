@@ -149,11 +149,12 @@ def _int4_decode_plan(qw: QuantizedWeight, codes: torch.Tensor, gs: int, device:
     return kernel.prepare_int4(codes, qw.scales, qw.zeros, gs)
 
 
-def _int4_plan(qw: QuantizedWeight, device: torch.device, decode_kernel: bool = True) -> Callable:
+def _int4_plan(qw: QuantizedWeight, device: torch.device, decode_kernel: bool = True) -> tuple[Callable, Optional[object]]:
     """PyTorch's packed int4 kernel (activations rounded to bf16), and for a few rows, where it builds
     and the groups allow, kernels.cpu_gemv's (activations quantized to int8 per 32, llama.cpp's
     arithmetic; 2.0-2.4x faster at one row on the demo's shapes, scripts/bench_cpu_gemv.py). Output: bf16
-    from the first, fp32 from the second."""
+    from the first, fp32 from the second. Returns (matmul, the decode kernel where it takes the input
+    columns as they come, i.e. no act-order permutation, else None)."""
     n, k = qw.qweight.shape
     if n % 16:
         raise ValueError(f"int4 kernel needs out_features divisible by 16 (got {n})")
@@ -178,11 +179,12 @@ def _int4_plan(qw: QuantizedWeight, device: torch.device, decode_kernel: bool = 
             return decode(x2)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), packed,
                                                           kernel_gs, scales_and_zeros)
-    return run
+    return run, decode if perm is None else None
 
 
-def _int8_plan(qw: QuantizedWeight, device: torch.device, decode_kernel: bool = True) -> Callable:
-    """PyTorch's int8 kernel (bf16), and up to DECODE_ROWS rows kernels.cpu_gemv's where it builds."""
+def _int8_plan(qw: QuantizedWeight, device: torch.device, decode_kernel: bool = True) -> tuple[Callable, Optional[object]]:
+    """PyTorch's int8 kernel (bf16), and up to DECODE_ROWS rows kernels.cpu_gemv's where it builds.
+    Returns (matmul, the decode kernel or None)."""
     if qw.n_groups != 1:
         raise ValueError("int8 kernel needs per-channel scales (group_size -1)")
     w_int8 = qw.signed_int8().to(device)
@@ -194,7 +196,7 @@ def _int8_plan(qw: QuantizedWeight, device: torch.device, decode_kernel: bool = 
         if decode is not None and x2.shape[0] <= DECODE_ROWS:
             return decode(x2)
         return torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), w_int8, scales)
-    return run
+    return run, decode
 
 
 _CPU_PLANS = {4: _int4_plan, 8: _int8_plan}
@@ -214,7 +216,7 @@ def cpu_kernel_problem(bits: int) -> Optional[str]:
     qw, x = _probe_case(bits)
     try:
         cpu = torch.device("cpu")  # PyTorch's op itself, not the decode kernel that serves few rows
-        got = _CPU_PLANS[bits](qw, cpu, decode_kernel=False)(x).float()
+        got = _CPU_PLANS[bits](qw, cpu, decode_kernel=False)[0](x).float()
     except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
         return f"its {bits}-bit CPU kernel failed on a probe ({first_line(e)})"
     want = F.linear(x.float(), qw.dequantize())
@@ -246,10 +248,11 @@ class CpuBackend:
             raise QuantkitError(f"the cpu backend needs the layer on the CPU, not {device}")
         self.n, self.k = qw.qweight.shape
         self.kernel, self.fallback = None, None
+        self.decode_gemv = None  # kernels.cpu_gemv's kernel on unpermuted input, for the engine's C decode step
         reason = cpu_kernel_problem(qw.bits)
         if reason is None:
             try:
-                self.kernel = _CPU_PLANS[qw.bits](qw, device)
+                self.kernel, self.decode_gemv = _CPU_PLANS[qw.bits](qw, device)
             except (ValueError, RuntimeError) as e:  # shape or layout the kernel refuses
                 reason = f"{qw.bits}-bit CPU kernel unusable ({e})"
         if self.kernel is None:

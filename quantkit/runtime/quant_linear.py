@@ -116,6 +116,13 @@ class QuantLinear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y
 
+    def backend_impl(self):
+        """The prepared backend object (built now if needed): for callers that run its kernels
+        themselves, e.g. the engine's C decode step reading ``decode_gemv``."""
+        if self._impl is None:
+            self.prepare()
+        return self._impl
+
     def matmul_fn(self, dtype: torch.dtype):
         """This layer as a plain callable ``x [M, in] -> [M, out]`` (activations in `dtype`), the
         backend's cheapest entry when it has one; exactly what ``forward`` computes. Resolved now:

@@ -1,0 +1,160 @@
+"""A stack of Llama-shaped decoder layers for a few tokens in one C call (CPU decode); see cpu_decoder.c.
+
+Why: after the int4/int8 decode kernels (cpu_gemv), the projections of a demo-model decode step take
+~8 ms and the ~15 PyTorch calls per layer around them (norms, rotary, K/V writes, attention, SiLU,
+residuals) another 9-10 ms of dispatch. This runs all layers of a step in C on the same projection
+kernels, so that what a step costs is its weights' memory traffic. It covers what the Llama family
+and its kin (Qwen2 with q/k/v bias, Mistral) compute: pre-norm RMSNorm, one fused q/k/v and one
+fused gate/up projection, full rotary, GQA attention over an fp32 paged cache, SiLU-gated MLP.
+
+The plain PyTorch form of a step is the engine's own layer loop (engine.model_runner.ModelRunner
+.forward): the tests compare the two on the same quantized weights.
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from quantkit.kernels import c_library
+from quantkit.kernels.cpu_gemv import Int4Gemv, Int8Gemv
+
+SOURCES = (Path(__file__).with_name("cpu_decoder.c"), Path(__file__).with_name("cpu_gemv.c"))
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("bits", ctypes.c_int32), ("K", ctypes.c_int64), ("N", ctypes.c_int64), ("G", ctypes.c_int64),
+                ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zoff", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", _Proj), ("o", _Proj),
+                ("gate_up", _Proj), ("down", _Proj), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = [("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+                ("num_heads", ctypes.c_int64), ("num_kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64),
+                ("block_size", ctypes.c_int64), ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
+                ("layers", ctypes.POINTER(_Layer))]
+
+
+Gemv = Union[Int4Gemv, Int8Gemv]
+
+
+@dataclass
+class LayerWeights:
+    """One layer as the C step reads it: norm weights (fp32 [hidden]), the four projections as
+    prepared decode kernels (q/k/v and gate/up each fused, rows side by side), optional biases (fp32)."""
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    qkv: Gemv
+    o: Gemv
+    gate_up: Gemv
+    down: Gemv
+    qkv_bias: Optional[torch.Tensor] = None
+    o_bias: Optional[torch.Tensor] = None
+    gate_up_bias: Optional[torch.Tensor] = None
+    down_bias: Optional[torch.Tensor] = None
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def _proj(gemv: Gemv, bias: Optional[torch.Tensor], keep: list) -> _Proj:
+    if bias is not None:
+        bias = bias.detach().float().contiguous()
+        if bias.shape != (gemv.n,):
+            raise ValueError(f"bias of {tuple(bias.shape)} for a projection of {gemv.n} outputs")
+        keep.append(bias)
+    if isinstance(gemv, Int4Gemv):
+        return _Proj(4, gemv.k, gemv.n, gemv.group_size, gemv.weight.data_ptr(), gemv.scale.data_ptr(),
+                     gemv.zoff.data_ptr(), _ptr(bias))
+    return _Proj(8, gemv.k, gemv.n, gemv.k, gemv.weight.data_ptr(), gemv.scale.data_ptr(), None, _ptr(bias))
+
+
+class DecoderStack:
+    """All layers' weights and K/V caches as the C step reads them, built once per engine.
+    ``stack(x, positions, slots, tables, cos, sin_signed)`` runs x [R, hidden] fp32 through every layer."""
+
+    def __init__(self, lib: ctypes.CDLL, layers: list[LayerWeights], caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, eps: float, attn_scale: float,
+                 threads_ok: bool):
+        first = layers[0]
+        hidden, width = first.qkv.k, (num_heads + 2 * num_kv_heads) * head_dim
+        self.hidden, self.intermediate = hidden, first.gate_up.n // 2
+        self._keep: list = []  # every tensor whose pointer the C structs hold
+        c_layers = (_Layer * len(layers))()
+        for i, (lw, (kc, vc)) in enumerate(zip(layers, caches)):
+            shapes = {"qkv": (lw.qkv, hidden, width), "o": (lw.o, num_heads * head_dim, hidden),
+                      "gate_up": (lw.gate_up, hidden, 2 * self.intermediate), "down": (lw.down, self.intermediate, hidden)}
+            for name, (gemv, k, n) in shapes.items():
+                if (gemv.k, gemv.n) != (k, n):
+                    raise ValueError(f"layer {i} {name}: {gemv.k} -> {gemv.n}, the step needs {k} -> {n}")
+            if kc.dtype != torch.float32 or not kc.is_contiguous() or kc.shape[-2:] != (num_kv_heads, head_dim):
+                raise ValueError(f"layer {i}: needs a contiguous fp32 cache [..., {num_kv_heads}, {head_dim}]")
+            norms = [w.detach().float().contiguous() for w in (lw.attn_norm, lw.mlp_norm)]
+            self._keep += [*norms, kc, vc, lw.qkv, lw.o, lw.gate_up, lw.down]
+            c_layers[i] = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), _proj(lw.qkv, lw.qkv_bias, self._keep),
+                                 _proj(lw.o, lw.o_bias, self._keep), _proj(lw.gate_up, lw.gate_up_bias, self._keep),
+                                 _proj(lw.down, lw.down_bias, self._keep), kc.data_ptr(), vc.data_ptr())
+        self._layers = c_layers
+        self._model = _Decoder(len(layers), hidden, self.intermediate, num_heads, num_kv_heads, head_dim, block_size,
+                               eps, attn_scale, c_layers)
+        self.head_dim = head_dim
+        self._fn = lib.quantkit_decoder_layers
+        self._threads_ok = threads_ok
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                 cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """x [R, hidden] -> [R, hidden] after every layer (fp32). positions, slots [R] int64 (slot < 0:
+        K/V not written); tables [R, W] int32, each row's sequence's block table; cos, sin_signed [R, head_dim]."""
+        x = x.float().contiguous().clone()
+        R = x.shape[0]
+        positions, slots = positions.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+        tables = tables.to(torch.int32).contiguous()
+        cos, sin_signed = cos.float().contiguous(), sin_signed.float().contiguous()
+        if positions.shape != (R,) or slots.shape != (R,) or tables.shape[0] != R or \
+                cos.shape != (R, self.head_dim) or sin_signed.shape != (R, self.head_dim):
+            raise ValueError("decoder step: positions, slots, tables, cos and sin need one row per token")
+        threads = torch.get_num_threads() if self._threads_ok else 1
+        rc = self._fn(ctypes.byref(self._model), x.data_ptr(), R, positions.data_ptr(), slots.data_ptr(),
+                      tables.data_ptr(), tables.shape[1], cos.data_ptr(), sin_signed.data_ptr(), threads)
+        if rc != 0:
+            raise MemoryError("CPU decoder step: scratch allocation failed")
+        return x
+
+
+class CpuDecoderKernel:
+    """The compiled library, or why there is none (``problem``)."""
+
+    def __init__(self, build_dir: Path):
+        self.lib: Optional[ctypes.CDLL] = None
+        self.problem: Optional[str] = None
+        self.threads_ok = False
+        if sys.platform != "linux" or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+            self.problem = f"needs Linux on an AVX2 CPU (this is {sys.platform}, {torch.backends.cpu.get_cpu_capability()})"
+            return
+        try:
+            lib = ctypes.CDLL(str(c_library.build(build_dir, "cpu_decoder", SOURCES)))
+        except (OSError, RuntimeError) as e:
+            self.problem = f"could not build it ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+            return
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.quantkit_decoder_layers.argtypes = [ctypes.POINTER(_Decoder), p, i64, p, p, p, i64, p, p, ctypes.c_int]
+        lib.quantkit_decoder_layers.restype = ctypes.c_int
+        self.lib = lib
+        self.threads_ok = len(c_library.openmp_runtimes()) <= 1  # see cpu_gemv: one pool, PyTorch's
+
+    def stack(self, layers: list[LayerWeights], caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int,
+              num_kv_heads: int, head_dim: int, block_size: int, eps: float, attn_scale: float) -> DecoderStack:
+        if self.lib is None:
+            raise RuntimeError(f"the CPU decoder step is unavailable: {self.problem}")
+        return DecoderStack(self.lib, layers, caches, num_heads, num_kv_heads, head_dim, block_size, eps, attn_scale,
+                            self.threads_ok)

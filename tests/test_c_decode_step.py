@@ -1,0 +1,135 @@
+"""The engine's C decode step (engine.c_decode_step, kernels.cpu_decoder) against its reference, the
+engine's own Python layer loop on the same quantized weights: teacher-forced decode logits, an extend
+step (several tokens per sequence, padding, causal), batch invariance bit for bit, the pool back to
+full, and where it must stay off."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from quantkit.engine import LLMEngine
+from quantkit.engine.model_runner import ExtendRequest
+from quantkit.quantizers.grid import rtn_quantize
+from quantkit.runtime import backends
+from quantkit.runtime.quant_linear import QuantLinear
+from tiny_models import ForcingSampler, assert_pool_full, greedy, prompts, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def quantized(model, bits: int = 4, group_size: int = 32):
+    """`model` with every decoder linear replaced by its RTN QuantLinear (cpu backend, fp32)."""
+    model = copy.deepcopy(model)
+    for name, module in list(model.model.layers.named_modules()):
+        if isinstance(module, torch.nn.Linear):
+            parent, _, attr = name.rpartition(".")
+            qw = rtn_quantize(module.weight.data, bits, group_size if bits == 4 else -1, bits == 8, module.bias)
+            setattr(model.model.layers.get_submodule(parent), attr,
+                    QuantLinear.from_quantized(qw, "gptq" if bits == 4 else "compressed-tensors",
+                                               dtype=torch.float32, backend="cpu"))
+    return model
+
+
+@pytest.fixture(scope="module")
+def c_step_available():
+    if backends.cpu_decode_kernel() is None:
+        pytest.skip("no AVX2 decode kernels here")
+
+
+def forced_logits(model, prompt: list[int], forced: list[int], c_step: bool) -> torch.Tensor:
+    """Decode logits of `prompt` teacher-forced with `forced`, through the C step or the Python loop."""
+    eng = LLMEngine(model, block_size=4, num_kv_blocks=24)
+    assert eng.runner.c_step is not None, eng.runner.c_step_problem
+    if not c_step:
+        eng.runner.c_step = None
+    eng.sampler = ForcingSampler(forced)
+    eng.generate([prompt], greedy(len(forced), ignore_eos=True))
+    assert_pool_full(eng)
+    return torch.stack(eng.sampler.logits)
+
+
+# The two paths differ only in the summation order of norms and attention (fp32, ~1e-7 relative),
+# which the int8 rounding of the next projection's input can amplify: measured 3-5e-7 of the
+# logits' scale on these models. A 1 % error in one attention weight already fails (tried).
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("kind,bits", [("llama", 4), ("mistral", 4), ("qwen2", 4), ("phi3", 4), ("llama", 8)])
+def test_decode_logits_match_the_python_loop(c_step_available, kind, bits):
+    model = quantized(tiny_model(kind), bits)
+    prompt, forced = prompts(1, [7])[0], prompts(1, [21], seed=1)[0]
+    got, want = forced_logits(model, prompt, forced, True), forced_logits(model, prompt, forced, False)
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) <= TOLERANCE * scale
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_extend_with_padding_matches_the_python_loop(c_step_available):
+    """Two sequences extended by 3 and 1 tokens over cached prefixes (speculative verification's
+    shape): every real row's logits as the Python loop gives them; the padding row writes nothing."""
+    model = quantized(tiny_model("llama"))
+    eng = LLMEngine(model, block_size=4, num_kv_blocks=24)
+    runner = eng.runner
+    a, b = prompts(2, [9, 6], seed=3)
+    tables = [[0, 1, 2, 3], [4, 5, 6]]
+
+    def run(c_step):
+        runner.kv_cache.k.zero_(), runner.kv_cache.v.zero_()
+        runner.c_step = c_step
+        prefill = [ExtendRequest(tables[0], 0, a[:6]), ExtendRequest(tables[1], 0, b[:5])]
+        for req in prefill:  # the prefixes, one token at a time through the same path
+            for j in range(len(req.token_ids)):
+                runner.run_extend([ExtendRequest(req.block_table, j, req.token_ids[j:j + 1])])
+        out = runner.run_extend([ExtendRequest(tables[0], 6, a[6:9]), ExtendRequest(tables[1], 5, b[5:6])])
+        return out, runner.kv_cache.k.clone()
+
+    step = runner.c_step
+    got, k_got = run(step)
+    want, k_want = run(None)
+    scale = float(want.abs().max())
+    assert float((got[0] - want[0]).abs().max()) <= TOLERANCE * scale
+    assert float((got[1, :1] - want[1, :1]).abs().max()) <= TOLERANCE * scale
+    assert float((k_got - k_want).abs().max()) <= TOLERANCE * float(k_want.abs().max())
+    slot_after_b = tables[1][6 // 4] * 4 + 6 % 4  # where a padding row would have written
+    assert float(k_got[:, slot_after_b // 4, slot_after_b % 4].abs().max()) == 0.0
+
+
+def test_rows_are_batch_invariant(c_step_available):
+    """Three sequences decoded together give each one bit for bit what it gets alone."""
+    model = quantized(tiny_model("qwen2"))
+    ps = prompts(3, [5, 11, 8], seed=4)
+    alone = []
+    for p in ps:
+        eng = LLMEngine(model, block_size=4, num_kv_blocks=24)
+        alone.append(eng.generate([p], greedy(12, ignore_eos=True))[0]["token_ids"])
+    eng = LLMEngine(model, block_size=4, num_kv_blocks=24)
+    together = [r["token_ids"] for r in eng.generate(ps, greedy(12, ignore_eos=True))]
+    assert together == alone
+    assert_pool_full(eng)
+
+    # and the logits themselves: one decode step of all three against each alone
+    runner = eng.runner
+    rows = [([0, 1, 2], 9, ps[0][0], True), ([3, 4, 5], 6, ps[1][0], True), ([6, 7, 8], 10, ps[2][0], True)]
+    both = runner._c_forward(*runner._c_step_rows(rows))
+    for i, row in enumerate(rows):
+        assert torch.equal(runner._c_forward(*runner._c_step_rows([row])), both[i:i + 1])
+
+
+@pytest.mark.parametrize("case", ["qwen3", "bf16", "int8-kv", "unquantized", "switch"])
+def test_it_stays_off_where_it_would_compute_something_else(c_step_available, monkeypatch, case):
+    kind = "qwen3" if case == "qwen3" else "llama"
+    model = tiny_model(kind) if case == "unquantized" else quantized(tiny_model(kind))
+    kw = {}
+    if case == "bf16":
+        model = model.to(torch.bfloat16)
+    if case == "int8-kv":
+        kw["kv_cache_dtype"] = "int8"
+    if case == "switch":
+        monkeypatch.setenv("QUANTKIT_CPU_DECODE_STEP", "0")
+    eng = LLMEngine(model, block_size=4, num_kv_blocks=8, **kw)
+    assert eng.runner.c_step is None
+    why = {"qwen3": "q/k norms", "bf16": "fp32 activations", "int8-kv": "fp32 KV cache",
+           "unquantized": "no decode kernel", "switch": "=0"}[case]
+    assert why in eng.runner.c_step_problem
