@@ -16,9 +16,11 @@ Decode tokens/s excludes the prefill: for transformers it is ``(N - 1) / (t(N) -
 ``generate`` calls, N and 1 new tokens), for the engine the time of its decode steps. Ratios
 are printed against both transformers rows.
 
-On CPU a row "PyTorch int4 kernel" runs the same int4 checkpoint with the cpu backend's own decode
-kernel switched off (``QUANTKIT_CPU_DECODE_KERNEL=0``: PyTorch's bf16 int4 kernel at every size), so
-the two kernels are compared in the same rounds.
+On CPU a row "Python layer loop" runs the same int4 checkpoint with the engine's C decode step
+switched off (``QUANTKIT_CPU_DECODE_STEP=0``: the same kernels called layer by layer from Python), and a
+row "PyTorch int4 kernel" with the cpu backend's own decode kernel switched off too
+(``QUANTKIT_CPU_DECODE_KERNEL=0``: PyTorch's bf16 int4 kernel at every size, the Python loop), so
+each step is compared in the same rounds.
 
 ``--lm-head-quant int8,int4`` adds rows for the int4 checkpoint (fp32 activations) decoding through
 an RTN copy of the LM head only (``LLMEngine(lm_head_quant=...)``, the tied embedding untouched) and
@@ -109,21 +111,22 @@ def engine_decode(engine, prompt: list[int], n: int) -> dict:
             "tpot_ms": m["tpot_ms"]}
 
 
-def without_decode_kernel(build):
-    """``build()`` with the cpu backend's int4 decode kernel switched off (``QUANTKIT_CPU_DECODE_KERNEL=0``),
-    so the layers it builds keep PyTorch's int4 kernel at every size; the switch is restored after."""
+def switched_off(build, variable: str):
+    """``build()`` with the environment switch `variable` set to "0" (restored after): the cpu
+    backend's decode kernels (``QUANTKIT_CPU_DECODE_KERNEL``: PyTorch's int4 kernel at every size) or the
+    engine's C decode step (``QUANTKIT_CPU_DECODE_STEP``: the Python layer loop)."""
     from quantkit.runtime import backends
 
-    old = os.environ.get(backends.ENV_DECODE_KERNEL)
-    os.environ[backends.ENV_DECODE_KERNEL] = "0"
+    old = os.environ.get(variable)
+    os.environ[variable] = "0"
     backends.cpu_decode_kernel.cache_clear()
     try:
         return build()
     finally:
         if old is None:
-            os.environ.pop(backends.ENV_DECODE_KERNEL)
+            os.environ.pop(variable)
         else:
-            os.environ[backends.ENV_DECODE_KERNEL] = old
+            os.environ[variable] = old
         backends.cpu_decode_kernel.cache_clear()
 
 
@@ -284,13 +287,17 @@ def main(argv=None) -> int:
             measures[f"{name[:-1]}, {mode} head)"] = \
                 lambda e=LLMEngine(model, tok, num_kv_blocks=blocks, max_num_seqs=1, enable_prefix_caching=False,
                                    lm_head_quant=mode): engine_decode(e, prompt, N)
-    if not gpu:  # the same int4 checkpoint through PyTorch's int4 kernel at every size, for the A/B
-        name = "engine int4 rtn (backend cpu, PyTorch int4 kernel)"
+    # the same int4 checkpoint through the Python layer loop (same kernels), and through PyTorch's int4
+    # kernel at every size (and the Python loop), for the A/Bs
+    for name, variable in ([("engine int4 rtn (backend cpu, Python layer loop)", "QUANTKIT_CPU_DECODE_STEP"),
+                            ("engine int4 rtn (backend cpu, PyTorch int4 kernel)", "QUANTKIT_CPU_DECODE_KERNEL")]
+                           if not gpu else []):
         measures[name] = None
         try:
             model = quantkit.load(str(ensure_checkpoint(4, workdir)), backend=backend, device=str(device))
             keep.append(model)
-            measures[name] = lambda e=without_decode_kernel(lambda: engine_for(model, False)): engine_decode(e, prompt, N)
+            measures[name] = lambda e=switched_off(lambda: engine_for(model, False), variable): \
+                engine_decode(e, prompt, N)
         except Exception as exc:
             failed(name, exc)
     if args.llamacpp_python:

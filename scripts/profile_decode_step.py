@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Where a batch-1 decode step's wall time goes in quantkit's engine: the projections (every call
 of a layer's q/k/v, o, gate/up and down matmuls), the LM head, and the rest of the forward (norms,
-rotary, KV writes, attention, residuals), per decode step.
+rotary, KV writes, attention, residuals), per decode step; where the engine runs all layers in one
+C call (engine.c_decode_step), that call, the LM head and the rest.
 
 Timers wrap the runner's resolved callables (``ModelRunner.plans``, ``head``), so what is
 measured is the engine's own path; only decode steps are counted. Each run generates
@@ -27,6 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--lm-head-quant", default=None, help="int8 or int4: the LM head through a quantized copy")
     args = ap.parse_args(argv)
 
     import torch
@@ -35,10 +37,11 @@ def main(argv=None) -> int:
     from quantkit.engine import LLMEngine, SamplingParams
 
     model = quantkit.load(args.model, backend=args.backend, device=args.device, dtype=args.dtype)
-    engine = LLMEngine(model, None, num_kv_blocks=-(-(args.prompt_len + args.new_tokens) // 16) + 2, max_num_seqs=1)
+    engine = LLMEngine(model, None, num_kv_blocks=-(-(args.prompt_len + args.new_tokens) // 16) + 2, max_num_seqs=1,
+                       lm_head_quant=args.lm_head_quant)
     runner = engine.runner
     cuda = runner.device.type == "cuda"
-    totals = {"projections": 0.0, "lm_head": 0.0, "forward": 0.0, "step": 0.0}
+    totals = {"projections": 0.0, "c_layers": 0.0, "lm_head": 0.0, "forward": 0.0, "step": 0.0}
     state = {"decode": False, "steps": 0}
 
     def timed(fn, key):
@@ -62,6 +65,10 @@ def main(argv=None) -> int:
                     for p in runner.plans]
     runner.head = timed(runner.head, "lm_head")
     runner.forward = timed(runner.forward, "forward")
+    c_step = runner.c_step is not None  # every layer in one C call (engine.c_decode_step)
+    if c_step:
+        runner.c_step = timed(runner.c_step, "c_layers")
+        runner._c_forward = timed(runner._c_forward, "forward")
     run = runner.run
 
     def run_step(seqs, is_prefill):
@@ -86,6 +93,11 @@ def main(argv=None) -> int:
         state["steps"] = 0
         engine.generate([prompt], params)
         ms = {k: v / state["steps"] * 1e3 for k, v in totals.items()}
+        if c_step:
+            print(f"step {ms['step']:6.1f} = all layers in C {ms['c_layers']:5.1f} + rest of forward (embedding, "
+                  f"rotary, final norm) {ms['forward'] - ms['c_layers']:5.1f} + LM head {ms['lm_head']:5.1f} + other "
+                  f"{ms['step'] - ms['forward'] - ms['lm_head']:4.1f}")
+            continue
         print(f"step {ms['step']:6.1f} = projections {ms['projections']:5.1f} + rest of forward "
               f"{ms['forward'] - ms['projections']:5.1f} + LM head {ms['lm_head']:5.1f} + other "
               f"{ms['step'] - ms['forward'] - ms['lm_head']:4.1f}")

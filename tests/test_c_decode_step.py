@@ -66,6 +66,19 @@ def test_decode_logits_match_the_python_loop(c_step_available, kind, bits):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_unquantized_fp32_decode_matches_transformers(c_step_available, kind):
+    """An unquantized fp32 model through the C step (the fp32 kernel: exact products, another
+    summation order than MKL's) against transformers' own forward of the same tokens."""
+    model = tiny_model(kind)
+    prompt, forced = prompts(1, [7])[0], prompts(1, [21], seed=1)[0]
+    got = forced_logits(model, prompt, forced, True)
+    with torch.no_grad():
+        want = model(torch.tensor([prompt + forced])).logits[0, len(prompt) - 1:-1].float()
+    assert float((got - want).abs().max()) <= TOLERANCE * float(want.abs().max())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 def test_extend_with_padding_matches_the_python_loop(c_step_available):
     """Two sequences extended by 3 and 1 tokens over cached prefixes (speculative verification's
     shape): every real row's logits as the Python loop gives them; the padding row writes nothing."""
@@ -117,10 +130,10 @@ def test_rows_are_batch_invariant(c_step_available):
         assert torch.equal(runner._c_forward(*runner._c_step_rows([row])), both[i:i + 1])
 
 
-@pytest.mark.parametrize("case", ["qwen3", "bf16", "int8-kv", "unquantized", "switch"])
-def test_it_stays_off_where_it_would_compute_something_else(c_step_available, monkeypatch, case):
+@pytest.mark.parametrize("case", ["qwen3", "bf16", "int8-kv", "switch", "kernels-off"])
+def test_it_stays_off_where_it_would_compute_something_else(c_step_available, monkeypatch, request, case):
     kind = "qwen3" if case == "qwen3" else "llama"
-    model = tiny_model(kind) if case == "unquantized" else quantized(tiny_model(kind))
+    model = quantized(tiny_model(kind))
     kw = {}
     if case == "bf16":
         model = model.to(torch.bfloat16)
@@ -128,8 +141,41 @@ def test_it_stays_off_where_it_would_compute_something_else(c_step_available, mo
         kw["kv_cache_dtype"] = "int8"
     if case == "switch":
         monkeypatch.setenv("QUANTKIT_CPU_DECODE_STEP", "0")
+    if case == "kernels-off":  # the decode kernels under it off: the layers keep PyTorch's kernels
+        monkeypatch.setenv(backends.ENV_DECODE_KERNEL, "0")
+        backends.cpu_decode_kernel.cache_clear()
+        request.addfinalizer(backends.cpu_decode_kernel.cache_clear)  # after monkeypatch restores the variable
+        model = quantized(tiny_model(kind))
     eng = LLMEngine(model, block_size=4, num_kv_blocks=8, **kw)
     assert eng.runner.c_step is None
     why = {"qwen3": "q/k norms", "bf16": "fp32 activations", "int8-kv": "fp32 KV cache",
-           "unquantized": "no decode kernel", "switch": "=0"}[case]
+           "kernels-off": "no decode kernel", "switch": "=0"}[case]
     assert why in eng.runner.c_step_problem
+
+
+def test_fp32_linears_take_the_kernel_up_to_decode_rows(c_step_available):
+    """The Python path's fp32 linears (the LM head, a model the C step does not cover): up to
+    DECODE_ROWS rows the batch-invariant fp32 kernel, within fp32 rounding of F.linear; above, F.linear."""
+    from quantkit.engine.decoder import few_rows_linear_fn
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
+    fn = few_rows_linear_fn(w, b, torch.float32)
+    x = torch.randn(backends.DECODE_ROWS + 1, 96, generator=g)
+    few = fn(x[:backends.DECODE_ROWS])
+    exact = torch.nn.functional.linear(x.double(), w.double(), b.double()).float()
+    assert float((few - exact[:-1]).abs().max()) <= 1e-5 * float(exact.abs().max())
+    assert all(torch.equal(fn(x[i:i + 1]), few[i:i + 1]) for i in range(backends.DECODE_ROWS))
+    assert torch.equal(fn(x), torch.nn.functional.linear(x, w, b))
+
+
+def test_a_failed_build_leaves_the_python_loop(c_step_available, tmp_path, monkeypatch):
+    from quantkit.engine import c_decode_step
+    from quantkit.kernels.cpu_decoder import CpuDecoderKernel
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(c_decode_step, "_kernel", lambda: CpuDecoderKernel(tmp_path / "build"))
+    eng = LLMEngine(quantized(tiny_model("llama")), block_size=4, num_kv_blocks=8)
+    assert eng.runner.c_step is None and "could not build" in eng.runner.c_step_problem
+    assert not list((tmp_path / "build").glob("*.so"))
+    assert len(eng.generate([[5, 6, 7]], greedy(4, ignore_eos=True))[0]["token_ids"]) == 4

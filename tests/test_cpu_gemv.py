@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quantkit.kernels import cpu_gemv
+from quantkit.kernels import c_library, cpu_gemv
 from quantkit.quantizers.grid import rtn_quantize
 from quantkit.runtime import QuantLinear, backends
 
@@ -134,7 +134,7 @@ def test_rows_do_not_depend_on_the_batch(kernel):
 
 def test_it_shares_pytorchs_openmp_runtime(kernel):
     """The kernel's threads are PyTorch's own pool only if one OpenMP runtime is mapped (cpu_gemv.c)."""
-    runtimes = cpu_gemv._openmp_runtimes()
+    runtimes = c_library.openmp_runtimes()
     assert len(runtimes) == 1 and kernel.threads_ok
     assert Path(runtimes.pop()).parent == Path(torch.__file__).parent / "lib"  # PyTorch's own copy
 
@@ -142,7 +142,7 @@ def test_it_shares_pytorchs_openmp_runtime(kernel):
 def test_a_second_openmp_runtime_keeps_the_kernel_on_one_thread(kernel, tmp_path, monkeypatch):
     """...with the same numbers: each output is one thread's sum in a fixed order."""
     assert kernel.threads_ok
-    monkeypatch.setattr(cpu_gemv, "_openmp_runtimes", lambda: {"/x/libgomp.so.1", "/y/libiomp5.so"})
+    monkeypatch.setattr(c_library, "openmp_runtimes", lambda: {"/x/libgomp.so.1", "/y/libiomp5.so"})
     k = cpu_gemv.CpuGemvKernels(tmp_path)
     assert k.problem is None and not k.threads_ok
     codes, scales, zeros, group, g = _weights(32, 128, 64, False, seed=5)
@@ -167,7 +167,7 @@ def test_a_hung_compiler_is_a_reason_not_a_hang(tmp_path, monkeypatch):
     hung.write_text("#!/bin/sh\nsleep 30\n")
     hung.chmod(0o755)
     monkeypatch.setenv("CC", str(hung))
-    monkeypatch.setattr(cpu_gemv, "BUILD_TIMEOUT_S", 1)
+    monkeypatch.setattr(c_library, "BUILD_TIMEOUT_S", 1)
     k = cpu_gemv.CpuGemvKernels(tmp_path / "build")
     assert k.lib is None and "did not finish in 1 s" in k.problem
     assert not list((tmp_path / "build").glob("*.so"))
@@ -214,3 +214,86 @@ def test_the_switch_turns_it_off_in_a_fresh_process():
     env = {**os.environ, backends.ENV_DECODE_KERNEL: "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
+
+
+# ---- fp32 weights x fp32 activations (F32Gemv): the exact product, batch invariant ----
+
+def _f32_bound(x, w, bias):
+    """Rounding bound of the kernel's sum against the exact (fp64) product: each term x_k w_k goes through
+    at most ceil(K / 8) FMA roundings in its lane, 3 in the horizontal sum and 1 for the bias, so
+    |error| <= gamma_d * (sum_k |x_k w_k| + |b|), d = ceil(K / 8) + 4, gamma_d = d u / (1 - d u), u = 2^-24."""
+    d = -(-x.shape[1] // 8) + 4
+    u = 2.0 ** -24
+    mag = x.double().abs() @ w.double().abs().t()
+    if bias is not None:
+        mag = mag + bias.double().abs()
+    return d * u / (1 - d * u) * mag
+
+
+@pytest.mark.parametrize("k", [576, 1536, 100, 7])
+@pytest.mark.parametrize("n", [1, 3, 5, 64, 963])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_f32_kernel_matches_fp64_linear(kernel, k, n, with_bias):
+    """Every M from 1 to 17 (the 1-4 row tiles, 5-16 rows in groups of 4 per output tile, 17 = a pass
+    of 16 and one of 1; and the one-output tail when N is not a multiple of the tile's width), K not a
+    multiple of 8 (the masked last step), against F.linear in fp64 within the summation bound (a
+    missing or doubled term, ~|x w|, is far outside it)."""
+    g = torch.Generator().manual_seed(k * 7 + n * 3 + with_bias)
+    w = torch.randn(n, k, generator=g) * 0.05
+    bias = torch.randn(n, generator=g) if with_bias else None
+    gemv = kernel.prepare_f32(w, bias)
+    x = torch.randn(17, k, generator=g)
+    for m in range(1, 18):
+        got = gemv(x[:m])
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        want = F.linear(x[:m].double(), w.double(), None if bias is None else bias.double())
+        assert ((got.double() - want).abs() <= _f32_bound(x[:m], w, bias)).all(), m
+
+
+@pytest.mark.parametrize("k,with_bias", [(576, True), (100, False), (7, True)])
+def test_f32_rows_do_not_depend_on_the_batch(kernel, k, with_bias):
+    """Speculative verification: a row's outputs bit for bit the same alone, in any batch of 1 to 16
+    rows and at any place in it (so through every tile shape: 1x4, 2x4, 3x3, 4x2, the 5-16 row groups
+    and the 1x1 tail, N = 965 leaving 965 % 4, % 3 and % 2 over), and on one thread or two."""
+    g = torch.Generator().manual_seed(k)
+    n = 965
+    w = torch.randn(n, k, generator=g) * 0.05
+    gemv = kernel.prepare_f32(w, torch.randn(n, generator=g) if with_bias else None)
+    x = torch.randn(16, k, generator=g)
+    alone = torch.cat([gemv(x[i:i + 1]) for i in range(16)])
+    for m in range(1, 17):
+        for shift in range(min(m, 4)):
+            rows = (torch.arange(m) + shift * 5) % 16
+            assert torch.equal(gemv(x[rows]), alone[rows]), (m, shift)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(gemv(x), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("k,where", [(576, 300), (100, 98)])  # 98: in the masked last step
+def test_f32_a_non_finite_activation_poisons_only_its_row(kernel, bad, k, where):
+    g = torch.Generator().manual_seed(k + where)
+    w = torch.randn(37, k, generator=g)
+    w[5, where] = 0.0  # inf * 0 is NaN: that output must be NaN, as in PyTorch
+    x = torch.randn(5, k, generator=g)
+    x[2, where] = bad
+    got = kernel.prepare_f32(w, torch.randn(37, generator=g))(x)
+    assert torch.isfinite(got[[0, 1, 3, 4]]).all()
+    assert not torch.isfinite(got[2]).any()
+    want = F.linear(x.double(), w.double())[2]
+    assert torch.equal(got[2].isnan(), want.isnan())  # NaN where PyTorch has NaN, and the same infinities
+    assert torch.equal(got[2][want.isinf()].double(), want[want.isinf()])
+
+
+def test_f32_prepare_checks_its_arguments(kernel):
+    w = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="bias"):
+        kernel.prepare_f32(w, torch.zeros(7))
+    with pytest.raises(ValueError, match="2-d"):
+        kernel.prepare_f32(torch.randn(2, 8, 16))
+    assert kernel.prepare_f32(w).weight.data_ptr() == w.data_ptr()  # an fp32 contiguous weight is not copied
+    assert kernel.prepare_f32(w)(torch.zeros(0, 16)).shape == (0, 8)

@@ -7,9 +7,10 @@ projections; the C step runs every layer on the same int4/int8 decode kernels wi
 It serves a step of up to DECODE_ROWS tokens (decode, speculative verification, a draft catching
 up) when everything it computes is what the Python layer loop would: CPU, fp32 activations, an fp32
 (unquantized) KV cache, pre-norm RMSNorm layers, full rotary, plain softmax attention, a SiLU-gated
-MLP, and every projection on a cpu_gemv kernel (4-bit groups of 32k or per-channel int8, no
-act-order permutation). Anything else keeps the Python loop, which is also this step's reference
-(tests/test_c_decode_step.py). ``QUANTKIT_CPU_DECODE_STEP=0`` switches it off.
+MLP, and every projection on a cpu_gemv kernel (4-bit groups of 32k or per-channel int8 without
+act-order permutation, or an unquantized fp32 nn.Linear). Anything else keeps the Python loop, which
+is also this step's reference (tests/test_c_decode_step.py). ``QUANTKIT_CPU_DECODE_STEP=0``
+switches it off; ``QUANTKIT_CPU_DECODE_KERNEL=0`` switches off the kernels under it too.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from quantkit.models import get_adapter
 from quantkit.models.base import resolve
@@ -35,22 +37,29 @@ def _kernel():
     return CpuDecoderKernel(cache_dir() / "cpu-kernels")
 
 
-def _decode_kernel(source) -> tuple[Optional[object], Optional[torch.Tensor]]:
-    """(cpu_gemv kernel, bias) of a FusedProjection or a QuantLinear; (None, None) when it has none."""
+def _projection(source) -> Optional[tuple[object, Optional[torch.Tensor]]]:
+    """(cpu_gemv kernel, bias added after it) of a FusedProjection, a QuantLinear or a plain fp32
+    nn.Linear (whose kernel carries its bias); None when it has no kernel."""
     from quantkit.engine.fused import FusedProjection
+    from quantkit.runtime import backends
     from quantkit.runtime.quant_linear import QuantLinear
 
     if isinstance(source, FusedProjection):
-        return getattr(source.impl, "decode_gemv", None), source.bias
+        gemv = getattr(source.impl, "decode_gemv", None)
+        return None if gemv is None else (gemv, source.bias)
     if isinstance(source, QuantLinear) and source.spec.input_quant is None:
-        return getattr(source.backend_impl(), "decode_gemv", None), source.bias
-    return None, None
+        gemv = getattr(source.backend_impl(), "decode_gemv", None)
+        return None if gemv is None else (gemv, source.bias)
+    hooked = source._forward_hooks or source._forward_pre_hooks or hasattr(source, "_hf_hook")
+    kernel = backends.cpu_decode_kernel()
+    if type(source) is nn.Linear and not hooked and source.weight.dtype == torch.float32 and kernel is not None:
+        return kernel.prepare_f32(source.weight, source.bias), None
+    return None
 
 
 def build(model, decoder, kv_cache, block_size: int, attn_scale: float, rotary) -> tuple[Optional[object], str]:
     """(kernels.cpu_decoder.DecoderStack over this model's layers and cache, "") or (None, why not)."""
     from quantkit.kernels.cpu_decoder import LayerWeights
-    from quantkit.runtime import backends
 
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None, f"{ENV_SWITCH}=0"
@@ -71,20 +80,20 @@ def build(model, decoder, kv_cache, block_size: int, attn_scale: float, rotary) 
     layers = list(get_adapter(model).decoder_layers(model))
     weights, eps = [], set()
     for i, (layer, (qkv, gate_up)) in enumerate(zip(layers, decoder.fused)):
-        sources = {"qkv": qkv if qkv is not None else (resolve(layer, attn.qkv[0]) if len(attn.qkv) == 1 else None),
-                   "o": resolve(layer, attn.out),
-                   "gate_up": gate_up if gate_up is not None else (resolve(layer, mlp.up[0]) if len(mlp.up) == 1
-                                                                   else None),
-                   "down": resolve(layer, mlp.down)}
-        kernels = {name: _decode_kernel(src) for name, src in sources.items()}
-        missing = [name for name, (k, _) in kernels.items() if k is None]
+        sources = {"qkv": [qkv] if qkv is not None else [resolve(layer, n) for n in attn.qkv],
+                   "o": [resolve(layer, attn.out)],
+                   "gate_up": [gate_up] if gate_up is not None else [resolve(layer, n) for n in mlp.up],
+                   "down": [resolve(layer, mlp.down)]}
+        projections = {name: [_projection(src) for src in srcs] for name, srcs in sources.items()}
+        missing = [name for name, parts in projections.items() if any(p is None for p in parts)]
         if missing:
-            return None, f"layer {i}'s {missing[0]} projection has no decode kernel (needs fused 4-bit/8-bit layers)"
+            return None, (f"layer {i}'s {missing[0]} projection has no decode kernel (needs 4-bit, per-channel "
+                          "8-bit or fp32 linears)")
         norms = [resolve(layer, n) for n in (layout.attn_norm, layout.mlp_norm)]
         eps |= {float(getattr(n, "variance_epsilon", getattr(n, "eps", 1e-6))) for n in norms}
-        weights.append(LayerWeights(norms[0].weight, norms[1].weight,
-                                    **{name: k for name, (k, _) in kernels.items()},
-                                    **{f"{name}_bias": b for name, (_, b) in kernels.items()}))
+        weights.append(LayerWeights(norms[0].weight, norms[1].weight, qkv=projections["qkv"],
+                                    o=projections["o"][0], gate_up=projections["gate_up"],
+                                    down=projections["down"][0]))
     if len(eps) != 1:
         return None, "needs one RMSNorm epsilon for every layer"
     kernel = _kernel()

@@ -2,7 +2,8 @@
 
 ``quantkit.models`` says where a family keeps its parts and what shape its forward has
 (``ArchitectureAdapter.decoder_layout``); here each part becomes a plain callable: a projection is
-``F.linear`` for an ``nn.Linear`` (threaded by output rows where bit-equal, engine.sliced_linear) or
+``F.linear`` for an ``nn.Linear`` (threaded by output rows where bit-equal, engine.sliced_linear; in
+fp32 on CPU, up to 16 rows through the fp32 decode kernel, see :func:`few_rows_linear_fn`) or
 its backend's direct entry for a ``QuantLinear``, a norm is the functional form of what the
 module computes, bit for bit. A batch-1 CPU decode step of a small model calls a few hundred of
 them and is bound by per-call overhead, which module and backend dispatch would double.
@@ -37,10 +38,29 @@ def matmul_fn(module: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor],
 
     hooked = module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook")
     if type(module) is nn.Linear and not hooked:
-        return linear_fn(module.weight, module.bias)
+        return few_rows_linear_fn(module.weight, module.bias, dtype)
     if isinstance(module, QuantLinear):
         return module.matmul_fn(dtype)
     return module
+
+
+def few_rows_linear_fn(weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``F.linear`` with `weight` and `bias`; for an fp32 CPU weight, up to DECODE_ROWS rows (decode,
+    speculative verification) through kernels.cpu_gemv's fp32 kernel where it builds: it reads the
+    weight once for up to 16 rows, where MKL's fp32 product of 2-5 rows costs 2-3x one row, and each
+    row's result does not depend on the others (so a verification computes what decoding would). Its
+    summation order is not MKL's: within ~1e-7 relative of ``F.linear``, not bit-equal
+    (``QUANTKIT_CPU_DECODE_KERNEL=0``: ``F.linear`` threaded by output rows, bit-equal, at every size)."""
+    from quantkit.runtime.backends import DECODE_ROWS, cpu_decode_kernel
+
+    plain = linear_fn(weight, bias)
+    cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32 and dtype == torch.float32
+    kernel = cpu_decode_kernel() if cpu_fp32 else None
+    if kernel is None:
+        return plain
+    few = kernel.prepare_f32(weight, bias)
+    return lambda x2: few(x2) if x2.shape[0] <= DECODE_ROWS else plain(x2)
 
 
 def norm_eps(module: nn.Module, default: float = 1e-6) -> float:

@@ -8,7 +8,8 @@ back by columns of the output.
 
 Only QuantLinear layers are fused, and only when their schemes agree (same bits, group size,
 symmetry and group index): a plain nn.Linear model keeps transformers' exact per-module matmuls,
-so the engine's greedy tokens still match ``generate`` bit for bit.
+so with the CPU decode kernels off (``QUANTKIT_CPU_DECODE_KERNEL=0``) the engine's greedy tokens still
+match ``generate`` bit for bit.
 """
 from __future__ import annotations
 

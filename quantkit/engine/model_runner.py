@@ -18,7 +18,10 @@ once per layer for the whole batch.
 A batch-1 CPU decode step of a small model is bound by per-op dispatch, not arithmetic, so the
 layer loop keeps its op count low where that costs no exactness: projections, norms and the
 activation are plain callables resolved once (engine.decoder), q and k of a fused q/k/v
-projection are rotated as one tensor, attention's per-step set-up is shared by all layers.
+projection are rotated as one tensor, attention's per-step set-up is shared by all layers. Where
+the model allows (fp32 on CPU, Llama-shaped layers, every projection on a cpu_gemv kernel), a
+decode or extend step of up to DECODE_ROWS tokens skips that loop altogether: every layer runs in
+one C call (engine.c_decode_step), the loop below being its reference.
 """
 from __future__ import annotations
 

@@ -5,10 +5,11 @@
  * of dispatch for a few hundred floats of work: on the demo model (30 layers) that is 9-10 ms of a
  * ~21 ms step, as long as the projections themselves. Here the layer loop is C, the projections are
  * cpu_gemv.c's int4/int8 kernels (same arithmetic as the engine's Python path), and what is left of
- * a step in Python is the embedding, the final norm and the LM head.
+ * a step in Python is the embedding, the final norm and the LM head. Unquantized fp32 projections take
+ * cpu_gemv.c's fp32 kernel (each output one fixed-order dot product, whatever the batch).
  *
  * Per layer, for R rows (tokens), each with its position p and its sequence's block table:
- *   h = rms_norm(x) * attn_norm;  [q|k|v] = qkv(h) (+ bias);  q, k rotated (rotate_half form, cos and
+ *   h = rms_norm(x) * attn_norm;  [q|k|v] = qkv(h) (+ bias; one fused weight or three);  q, k rotated (rotate_half form, cos and
  *   half-negated sin given per row);  k, v written to the paged cache at the row's slot (unless
  *   slot < 0);  then, every row's K/V written, each query head attends over positions 0..p of its
  *   sequence (so several rows of one sequence are causal: speculative verification);
@@ -22,16 +23,26 @@
 #include <string.h>
 
 typedef struct {
-    int32_t bits;              /* 4: int4 (pack_int4 layout, groups of G); 8: int8, one scale per row */
+    int32_t bits;              /* 4: int4 (pack_int4 layout, groups of G); 8: int8, one scale per row; 32: fp32 */
     int64_t K, N, G;
     const void *w;
-    const float *scale, *zoff; /* zoff: 4-bit only (-scale * zero per group) */
+    const float *scale, *zoff; /* zoff: 4-bit only (-scale * zero per group); neither for fp32 */
     const float *bias;         /* [N] or NULL */
 } qk_proj;
 
+/* A projection whose output is the side-by-side outputs of 1-3 matmuls on one input: q/k/v and
+ * gate/up, fused into one weight (quantized layers, engine.fused) or apart (unquantized ones). */
+typedef struct {
+    int32_t parts;
+    qk_proj part[3];
+} qk_stacked;
+
 typedef struct {
     const float *attn_norm, *mlp_norm; /* [hidden] */
-    qk_proj qkv, o, gate_up, down;
+    qk_stacked qkv;
+    qk_proj o;
+    qk_stacked gate_up;
+    qk_proj down;
     float *k_cache, *v_cache;          /* [slots, KVH, D] */
 } qk_layer;
 
@@ -42,12 +53,28 @@ typedef struct {
 } qk_decoder;
 
 static int project(const qk_proj *p, const float *x, int64_t M, float *y, int nthreads) {
+    if (p->bits == 32) return quantkit_f32_gemm(x, M, p->K, p->N, p->w, p->bias, y, nthreads);
     const int rc = p->bits == 4 ? gemm(gemv_rows, x, M, p->K, p->N, p->w, p->scale, p->zoff, p->G, y, nthreads)
                                 : gemm(gemv8_rows, x, M, p->K, p->N, p->w, p->scale, NULL, p->K, y, nthreads);
     if (rc == 0 && p->bias)
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < p->N; n++) y[m * p->N + n] += p->bias[n];
     return rc;
+}
+
+/* y [M, sum of the parts' N]: each part's output into its columns (through `tmp` when there are several). */
+static int project_stacked(const qk_stacked *s, const float *x, int64_t M, float *y, float *tmp, int nthreads) {
+    if (s->parts == 1) return project(&s->part[0], x, M, y, nthreads);
+    int64_t width = 0, offset = 0;
+    for (int i = 0; i < s->parts; i++) width += s->part[i].N;
+    for (int i = 0; i < s->parts; i++) {
+        const int64_t n = s->part[i].N;
+        const int rc = project(&s->part[i], x, M, tmp, nthreads);
+        if (rc != 0) return rc;
+        for (int64_t m = 0; m < M; m++) memcpy(y + m * width + offset, tmp + m * n, sizeof(float) * (size_t)n);
+        offset += n;
+    }
+    return 0;
 }
 
 /* out = weight * x / sqrt(mean(x^2) + eps), per row of n. */
@@ -122,11 +149,12 @@ int quantkit_decoder_layers(const qk_decoder *m, float *x, int64_t R, const int6
     float *act = malloc(sizeof(float) * (size_t)(R * I));
     float *y = malloc(sizeof(float) * (size_t)(R * E));
     float *scores = malloc(sizeof(float) * (size_t)(longest > D ? longest : D));
-    int rc = (h && qkv && attn && gu && act && y && scores) ? 0 : -1;
+    float *tmp = malloc(sizeof(float) * (size_t)(R * (width > 2 * I ? width : 2 * I)));  /* one part's output */
+    int rc = (h && qkv && attn && gu && act && y && scores && tmp) ? 0 : -1;
     for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
         const qk_layer *L = m->layers + l;
         rms_norm_rows(x, L->attn_norm, R, E, m->eps, h);
-        if ((rc = project(&L->qkv, h, R, qkv, nthreads)) != 0) break;
+        if ((rc = project_stacked(&L->qkv, h, R, qkv, tmp, nthreads)) != 0) break;
         for (int64_t r = 0; r < R; r++) {
             float *row = qkv + r * width;
             rotate(row, H + KVH, D, cos + r * D, sin_signed + r * D, scores);  /* q and k heads, side by side */
@@ -139,7 +167,7 @@ int quantkit_decoder_layers(const qk_decoder *m, float *x, int64_t R, const int6
         if ((rc = project(&L->o, attn, R, y, nthreads)) != 0) break;
         for (int64_t i = 0; i < R * E; i++) x[i] += y[i];
         rms_norm_rows(x, L->mlp_norm, R, E, m->eps, h);
-        if ((rc = project(&L->gate_up, h, R, gu, nthreads)) != 0) break;
+        if ((rc = project_stacked(&L->gate_up, h, R, gu, tmp, nthreads)) != 0) break;
         for (int64_t r = 0; r < R; r++)
             for (int64_t i = 0; i < I; i++) {
                 const float g = gu[r * 2 * I + i], u = gu[r * 2 * I + I + i];
@@ -148,6 +176,6 @@ int quantkit_decoder_layers(const qk_decoder *m, float *x, int64_t R, const int6
         if ((rc = project(&L->down, act, R, y, nthreads)) != 0) break;
         for (int64_t i = 0; i < R * E; i++) x[i] += y[i];
     }
-    free(h); free(qkv); free(attn); free(gu); free(act); free(y); free(scores);
+    free(h); free(qkv); free(attn); free(gu); free(act); free(y); free(scores); free(tmp);
     return rc;
 }

@@ -5,7 +5,8 @@ Why: after the int4/int8 decode kernels (cpu_gemv), the projections of a demo-mo
 residuals) another 9-10 ms of dispatch. This runs all layers of a step in C on the same projection
 kernels, so that what a step costs is its weights' memory traffic. It covers what the Llama family
 and its kin (Qwen2 with q/k/v bias, Mistral) compute: pre-norm RMSNorm, one fused q/k/v and one
-fused gate/up projection, full rotary, GQA attention over an fp32 paged cache, SiLU-gated MLP.
+fused gate/up projection (or the three and two apart), full rotary, GQA attention over an fp32 paged
+cache, SiLU-gated MLP; projections int4, int8 or unquantized fp32 (cpu_gemv's kernels).
 
 The plain PyTorch form of a step is the engine's own layer loop (engine.model_runner.ModelRunner
 .forward): the tests compare the two on the same quantized weights.
@@ -21,7 +22,7 @@ from typing import Optional, Union
 import torch
 
 from quantkit.kernels import c_library
-from quantkit.kernels.cpu_gemv import Int4Gemv, Int8Gemv
+from quantkit.kernels.cpu_gemv import F32Gemv, Int4Gemv, Int8Gemv
 
 SOURCES = (Path(__file__).with_name("cpu_decoder.c"), Path(__file__).with_name("cpu_gemv.c"))
 
@@ -32,9 +33,13 @@ class _Proj(ctypes.Structure):
                 ("bias", ctypes.c_void_p)]
 
 
+class _Stacked(ctypes.Structure):
+    _fields_ = [("parts", ctypes.c_int32), ("part", _Proj * 3)]
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", _Proj), ("o", _Proj),
-                ("gate_up", _Proj), ("down", _Proj), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", _Stacked), ("o", _Proj),
+                ("gate_up", _Stacked), ("down", _Proj), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
 
 
 class _Decoder(ctypes.Structure):
@@ -44,30 +49,33 @@ class _Decoder(ctypes.Structure):
                 ("layers", ctypes.POINTER(_Layer))]
 
 
-Gemv = Union[Int4Gemv, Int8Gemv]
+Gemv = Union[Int4Gemv, Int8Gemv, F32Gemv]
+Projection = tuple[Gemv, Optional[torch.Tensor]]  # a prepared kernel and the bias added after it (int4/int8)
 
 
 @dataclass
 class LayerWeights:
-    """One layer as the C step reads it: norm weights (fp32 [hidden]), the four projections as
-    prepared decode kernels (q/k/v and gate/up each fused, rows side by side), optional biases (fp32)."""
+    """One layer as the C step reads it: norm weights (fp32 [hidden]) and the projections as prepared
+    cpu_gemv kernels with their biases; q/k/v (and gate/up) one fused weight or several, whose
+    outputs the step lays side by side."""
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
-    qkv: Gemv
-    o: Gemv
-    gate_up: Gemv
-    down: Gemv
-    qkv_bias: Optional[torch.Tensor] = None
-    o_bias: Optional[torch.Tensor] = None
-    gate_up_bias: Optional[torch.Tensor] = None
-    down_bias: Optional[torch.Tensor] = None
+    qkv: list[Projection]
+    o: Projection
+    gate_up: list[Projection]
+    down: Projection
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
-def _proj(gemv: Gemv, bias: Optional[torch.Tensor], keep: list) -> _Proj:
+def _proj(projection: Projection, keep: list) -> _Proj:
+    gemv, bias = projection
+    if isinstance(gemv, F32Gemv):
+        if bias is not None:
+            raise ValueError("an fp32 kernel carries its own bias")
+        return _Proj(32, gemv.k, gemv.n, gemv.k, gemv.weight.data_ptr(), None, None, _ptr(gemv.bias))
     if bias is not None:
         bias = bias.detach().float().contiguous()
         if bias.shape != (gemv.n,):
@@ -79,6 +87,13 @@ def _proj(gemv: Gemv, bias: Optional[torch.Tensor], keep: list) -> _Proj:
     return _Proj(8, gemv.k, gemv.n, gemv.k, gemv.weight.data_ptr(), gemv.scale.data_ptr(), None, _ptr(bias))
 
 
+def _stacked(projections: list[Projection], keep: list) -> _Stacked:
+    if not 1 <= len(projections) <= 3:
+        raise ValueError(f"a stacked projection has 1-3 parts, not {len(projections)}")
+    parts = (_Proj * 3)(*[_proj(p, keep) for p in projections])
+    return _Stacked(len(projections), parts)
+
+
 class DecoderStack:
     """All layers' weights and K/V caches as the C step reads them, built once per engine.
     ``stack(x, positions, slots, tables, cos, sin_signed)`` runs x [R, hidden] fp32 through every layer."""
@@ -86,24 +101,24 @@ class DecoderStack:
     def __init__(self, lib: ctypes.CDLL, layers: list[LayerWeights], caches: list[tuple[torch.Tensor, torch.Tensor]],
                  num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, eps: float, attn_scale: float,
                  threads_ok: bool):
-        first = layers[0]
-        hidden, width = first.qkv.k, (num_heads + 2 * num_kv_heads) * head_dim
-        self.hidden, self.intermediate = hidden, first.gate_up.n // 2
-        self._keep: list = []  # every tensor whose pointer the C structs hold
+        hidden, width = layers[0].qkv[0][0].k, (num_heads + 2 * num_kv_heads) * head_dim
+        self.hidden, self.intermediate = hidden, layers[0].down[0].k
+        self._keep: list = []  # every tensor and kernel whose memory the C structs point into
         c_layers = (_Layer * len(layers))()
         for i, (lw, (kc, vc)) in enumerate(zip(layers, caches)):
-            shapes = {"qkv": (lw.qkv, hidden, width), "o": (lw.o, num_heads * head_dim, hidden),
-                      "gate_up": (lw.gate_up, hidden, 2 * self.intermediate), "down": (lw.down, self.intermediate, hidden)}
-            for name, (gemv, k, n) in shapes.items():
-                if (gemv.k, gemv.n) != (k, n):
-                    raise ValueError(f"layer {i} {name}: {gemv.k} -> {gemv.n}, the step needs {k} -> {n}")
+            shapes = {"qkv": (lw.qkv, hidden, width), "o": ([lw.o], num_heads * head_dim, hidden),
+                      "gate_up": (lw.gate_up, hidden, 2 * self.intermediate), "down": ([lw.down], self.intermediate, hidden)}
+            for name, (parts, k, n) in shapes.items():
+                got = (parts[0][0].k, sum(g.n for g, _ in parts))
+                if got != (k, n) or any(g.k != k for g, _ in parts):
+                    raise ValueError(f"layer {i} {name}: {got[0]} -> {got[1]}, the step needs {k} -> {n}")
             if kc.dtype != torch.float32 or not kc.is_contiguous() or kc.shape[-2:] != (num_kv_heads, head_dim):
                 raise ValueError(f"layer {i}: needs a contiguous fp32 cache [..., {num_kv_heads}, {head_dim}]")
             norms = [w.detach().float().contiguous() for w in (lw.attn_norm, lw.mlp_norm)]
-            self._keep += [*norms, kc, vc, lw.qkv, lw.o, lw.gate_up, lw.down]
-            c_layers[i] = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), _proj(lw.qkv, lw.qkv_bias, self._keep),
-                                 _proj(lw.o, lw.o_bias, self._keep), _proj(lw.gate_up, lw.gate_up_bias, self._keep),
-                                 _proj(lw.down, lw.down_bias, self._keep), kc.data_ptr(), vc.data_ptr())
+            self._keep += [*norms, kc, vc, lw]
+            c_layers[i] = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), _stacked(lw.qkv, self._keep),
+                                 _proj(lw.o, self._keep), _stacked(lw.gate_up, self._keep), _proj(lw.down, self._keep),
+                                 kc.data_ptr(), vc.data_ptr())
         self._layers = c_layers
         self._model = _Decoder(len(layers), hidden, self.intermediate, num_heads, num_kv_heads, head_dim, block_size,
                                eps, attn_scale, c_layers)

@@ -206,3 +206,121 @@ int quantkit_int8_gemm(const float *x, int64_t M, int64_t K, int64_t N, const in
                        float *y, int nthreads) {
     return gemm(gemv8_rows, x, M, K, N, w, scale, NULL, K, y, nthreads);
 }
+
+/* ---- fp32 weights times fp32 activations (no quantization), for an unquantized model's few-row products ----
+ *
+ * MKL's fp32 F.linear of 2-5 rows runs one matrix-vector product per row, so a speculative verification
+ * of k + 1 rows reads the weights k + 1 times; here a call of up to 16 rows (F32_PASS_ROWS) streams them
+ * from memory once: each tile of output rows takes the x rows 4 at a time (MAX_ROWS) while its weight
+ * rows are in L1.
+ *
+ * Batch invariance: every output y[m, n] is the same sequence of operations whichever tile (or the
+ * one-output tail) computes it and whatever the other rows are: one 8-lane accumulator, one FMA per
+ * step of 8 inputs in order (the last K % 8 inputs as one more step, loaded masked: the missing lanes
+ * read 0 for both x and w, and nothing past the row is touched), hsum256's fixed horizontal sum, then
+ * + bias[n]. Intrinsics and no -ffast-math, so the compiler may not reorder any of it.
+ *
+ * Speed: one row is bound by the weight stream. Two to four rows do 2-4 FMAs per 32 bytes of weight,
+ * enough that the core falls behind the hardware prefetcher when the weights come from DRAM (as every
+ * layer's do in a real decode step); a software prefetch F32_PREFETCH floats ahead on each weight
+ * row in the tile brought 4 rows from 1.6-1.7x to 1.2-1.3x the 1-row time on DRAM-resident weights
+ * (Zen 3, 2 threads), and costs up to ~20 % where the weight sits in L3. The x vectors are pinned in
+ * registers (the empty asm): left to itself gcc re-loads them from memory for every FMA, and the
+ * loads, not the FMAs, then bound the L3-resident case. */
+#define F32_PREFETCH 2048
+
+static inline __attribute__((always_inline)) void tile32(const int MR, const int NR, const float *x, int64_t K,
+                                                         int64_t N, const float *w, const float *bias, int64_t n0,
+                                                         float *y) {
+    const int64_t k8 = K & ~(int64_t)7;
+    const int rem = (int)(K - k8);
+    __m256 acc[4][4];
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < k8; k += 8) {
+        __m256 wv[4];
+        for (int r = 0; r < NR; r++) wv[r] = _mm256_loadu_ps(w + (n0 + r) * K + k);
+        if (MR >= 2 && (k & 15) == 0) /* one per 64-byte line of each weight row; past the end it is a no-op */
+            for (int r = 0; r < NR; r++)
+                _mm_prefetch((const char *)((uintptr_t)(w + (n0 + r) * K + k) + 4 * F32_PREFETCH), _MM_HINT_T0);
+        for (int m = 0; m < MR; m++) {
+            __m256 xv = _mm256_loadu_ps(x + m * K + k);
+            __asm__("" : "+x"(xv)); /* keep it in a register (MR * NR + MR + NR <= 15 for every tile) */
+            for (int r = 0; r < NR; r++) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+        }
+    }
+    if (rem) {
+        const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 wv[4];
+        for (int r = 0; r < NR; r++) wv[r] = _mm256_maskload_ps(w + (n0 + r) * K + k8, tail);
+        for (int m = 0; m < MR; m++) {
+            const __m256 xv = _mm256_maskload_ps(x + m * K + k8, tail);
+            for (int r = 0; r < NR; r++) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++) {
+            const float s = hsum256(acc[m][r]);
+            y[m * N + n0 + r] = bias ? s + bias[n0 + r] : s;
+        }
+}
+
+/* y [M, N] = x [M, K] @ w.T (+ bias) for M <= MAX_ROWS, w [N, K] fp32: tiles of NR outputs over the threads
+ * (1x4, 2x4, 3x3, 4x2: 8-9 independent accumulators, enough to cover the FMA latency). */
+static void gemv32_rows(const float *x, int64_t M, int64_t K, int64_t N, const float *w, const float *bias, float *y,
+                        int nthreads) {
+    const int NR = M <= 2 ? 4 : M == 3 ? 3 : 2;
+    const int64_t tiles = N / NR;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * NR;
+        switch (M * 10 + NR) {
+        case 14: tile32(1, 4, x, K, N, w, bias, n0, y); break;
+        case 24: tile32(2, 4, x, K, N, w, bias, n0, y); break;
+        case 33: tile32(3, 3, x, K, N, w, bias, n0, y); break;
+        default: tile32(4, 2, x, K, N, w, bias, n0, y); break;
+        }
+    }
+    for (int64_t n0 = tiles * NR; n0 < N; n0++) /* the last N % NR outputs, one at a time */
+        for (int64_t m = 0; m < M; m++) tile32(1, 1, x + m * K, K, N, w, bias, n0, y + m * N);
+}
+
+/* The same for MAX_ROWS < M <= F32_PASS_ROWS in one pass over the weights: each tile of 4 outputs takes
+ * all the rows, 4 at a time, so its 4 weight rows come from memory once and from L1 for the later row
+ * groups (a 4-row pass per group would stream the weights from memory once per group). */
+#define F32_PASS_ROWS 16
+static void gemv32_many_rows(const float *x, int64_t M, int64_t K, int64_t N, const float *w, const float *bias,
+                             float *y, int nthreads) {
+    const int64_t tiles = N / 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * 4;
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+            const float *xm = x + m0 * K;
+            float *ym = y + m0 * N;
+            switch (M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS) {
+            case 1: tile32(1, 4, xm, K, N, w, bias, n0, ym); break;
+            case 2: tile32(2, 4, xm, K, N, w, bias, n0, ym); break;
+            case 3:
+                tile32(2, 4, xm, K, N, w, bias, n0, ym);
+                tile32(1, 4, xm + 2 * K, K, N, w, bias, n0, ym + 2 * N);
+                break;
+            default: tile32(4, 2, xm, K, N, w, bias, n0, ym); tile32(4, 2, xm, K, N, w, bias, n0 + 2, ym); break;
+            }
+        }
+    }
+    for (int64_t n0 = tiles * 4; n0 < N; n0++)
+        for (int64_t m = 0; m < M; m++) tile32(1, 1, x + m * K, K, N, w, bias, n0, y + m * N);
+}
+
+/* fp32 weights [N, K] row-major, bias [N] or NULL: any M, K, N, in passes of up to F32_PASS_ROWS rows.
+ * Returns 0 (there is no scratch to allocate). */
+int quantkit_f32_gemm(const float *x, int64_t M, int64_t K, int64_t N, const float *w, const float *bias, float *y,
+                      int nthreads) {
+    for (int64_t m0 = 0; m0 < M; m0 += F32_PASS_ROWS) {
+        const int64_t n_rows = M - m0 < F32_PASS_ROWS ? M - m0 : F32_PASS_ROWS;
+        (n_rows <= MAX_ROWS ? gemv32_rows : gemv32_many_rows)(x + m0 * K, n_rows, K, N, w, bias, y + m0 * N,
+                                                              nthreads);
+    }
+    return 0;
+}

@@ -113,7 +113,7 @@ ENV_DECODE_KERNEL = "QUANTKIT_CPU_DECODE_KERNEL"  # "0": PyTorch's kernels at ev
 
 @functools.lru_cache(maxsize=None)
 def cpu_decode_kernel():
-    """kernels.cpu_gemv's compiled int4/int8 kernels, built once per machine into the quantkit cache; None
+    """kernels.cpu_gemv's compiled int4/int8/fp32 kernels, built once per machine into the quantkit cache; None
     when switched off (``QUANTKIT_CPU_DECODE_KERNEL=0``) or, with one notice saying why, when there is
     no compiler, no AVX2, or their output disagrees with their PyTorch references on a probe."""
     import os
@@ -125,7 +125,15 @@ def cpu_decode_kernel():
         return None
     kernel = cpu_gemv.CpuGemvKernels(cache_dir() / "cpu-kernels")
     problem = kernel.problem
-    for bits in (4, 8) if problem is None else ():
+    for bits in (4, 8, 32) if problem is None else ():
+        if bits == 32:  # fp32 weights: the exact product (fp64 reference), no activation quantization
+            gen = torch.Generator().manual_seed(0)
+            w, b, x = torch.randn(37, 100, generator=gen), torch.randn(37, generator=gen), torch.randn(5, 100, generator=gen)
+            got = kernel.prepare_f32(w, b)(x)
+            want = F.linear(x.double(), w.double(), b.double()).float()
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
+                problem = "its fp32 output disagrees with F.linear on a probe"
+            continue
         qw, x = _probe_case(bits)
         if bits == 4:
             got = kernel.prepare_int4(qw.qweight, qw.scales, qw.zeros, qw.group_size)(x.float())
