@@ -691,12 +691,17 @@ def test_demo_continuous_batching_matches_transformers(demo, demo_reference):
 
 
 @pytest.mark.slow
-def test_demo_on_two_threads_sliced_linears_keep_transformers_tokens(demo):
-    """With two threads the fp32 demo's projections and LM head run as sliced bmm's (the rest of
+def test_demo_on_two_threads_sliced_linears_keep_transformers_tokens(demo, monkeypatch, request):
+    """With the CPU decode kernels off (``QUANTKIT_CPU_DECODE_KERNEL=0``: the engine's bit-exact
+    mode) and two threads, the fp32 demo's projections and LM head run as sliced bmm's (the rest of
     this module runs on one thread, where they stay F.linear); greedy tokens must still equal
     transformers' generate on the same two threads, with decode steps of one and of two rows."""
     from quantkit.engine.sliced_linear import SlicedLinear, slice_count, slicing_is_exact
+    from quantkit.runtime import backends
 
+    monkeypatch.setenv(backends.ENV_DECODE_KERNEL, "0")
+    backends.cpu_decode_kernel.cache_clear()
+    request.addfinalizer(backends.cpu_decode_kernel.cache_clear)  # runs before monkeypatch restores the variable
     model, tok = demo
     n = torch.get_num_threads()
     torch.set_num_threads(2)
