@@ -6,7 +6,8 @@ projections; the C step runs every layer on the same int4/int8 decode kernels wi
 
 It serves a step of up to DECODE_ROWS tokens (decode, speculative verification, a draft catching
 up) when everything it computes is what the Python layer loop would: CPU, fp32 activations, an fp32
-(unquantized) KV cache, pre-norm RMSNorm layers, full rotary, plain softmax attention, a SiLU-gated
+(unquantized) KV cache, pre-norm RMSNorm layers (and Qwen3's per-head q/k norms), full rotary, plain
+softmax attention, a SiLU-gated
 MLP, and every projection on a cpu_gemv kernel (4-bit groups of 32k or per-channel int8 without
 act-order permutation, or an unquantized fp32 nn.Linear). Anything else keeps the Python loop, which
 is also this step's reference (tests/test_c_decode_step.py). ``QUANTKIT_CPU_DECODE_STEP=0``
@@ -73,8 +74,8 @@ def build(model, decoder, kv_cache, block_size: int, attn_scale: float, rotary) 
         return None, "needs pre-norm RMSNorm layers with full rotary"
     if decoder.positions is not None or decoder.project_in is not None or decoder.value_dim is not None:
         return None, "needs token embeddings straight into the layers"
-    if attn.latent is not None or attn.q_norm or attn.k_norm or attn.query_scaled:
-        return None, "needs plain multi-head attention (no latent attention, q/k norms or scaled q)"
+    if attn.latent is not None or attn.qk_norm_whole or attn.query_scaled:
+        return None, "needs plain multi-head attention (no latent attention, whole-projection q/k norms or scaled q)"
     if mlp.kind != GATED or any(p.moe is not None or p.act is not F.silu for p in decoder.plans):
         return None, "needs dense SiLU-gated MLPs"
     layers = list(get_adapter(model).decoder_layers(model))
@@ -90,10 +91,13 @@ def build(model, decoder, kv_cache, block_size: int, attn_scale: float, rotary) 
             return None, (f"layer {i}'s {missing[0]} projection has no decode kernel (needs 4-bit, per-channel "
                           "8-bit or fp32 linears)")
         norms = [resolve(layer, n) for n in (layout.attn_norm, layout.mlp_norm)]
-        eps |= {float(getattr(n, "variance_epsilon", getattr(n, "eps", 1e-6))) for n in norms}
+        head_norms = [resolve(layer, n) for n in (attn.q_norm, attn.k_norm) if n]  # Qwen3: per head
+        eps |= {float(getattr(n, "variance_epsilon", getattr(n, "eps", 1e-6))) for n in norms + head_norms}
         weights.append(LayerWeights(norms[0].weight, norms[1].weight, qkv=projections["qkv"],
                                     o=projections["o"][0], gate_up=projections["gate_up"],
-                                    down=projections["down"][0]))
+                                    down=projections["down"][0],
+                                    q_norm=head_norms[0].weight if head_norms else None,
+                                    k_norm=head_norms[1].weight if head_norms else None))
     if len(eps) != 1:
         return None, "needs one RMSNorm epsilon for every layer"
     kernel = _kernel()

@@ -9,7 +9,8 @@
  * cpu_gemv.c's fp32 kernel (each output one fixed-order dot product, whatever the batch).
  *
  * Per layer, for R rows (tokens), each with its position p and its sequence's block table:
- *   h = rms_norm(x) * attn_norm;  [q|k|v] = qkv(h) (+ bias; one fused weight or three);  q, k rotated (rotate_half form, cos and
+ *   h = rms_norm(x) * attn_norm;  [q|k|v] = qkv(h) (+ bias; one fused weight or three);  each q and k
+ *   head RMS-normed over its head_dim where the family does it (Qwen3);  q, k rotated (rotate_half form, cos and
  *   half-negated sin given per row);  k, v written to the paged cache at the row's slot (unless
  *   slot < 0);  then, every row's K/V written, each query head attends over positions 0..p of its
  *   sequence (so several rows of one sequence are causal: speculative verification);
@@ -39,6 +40,7 @@ typedef struct {
 
 typedef struct {
     const float *attn_norm, *mlp_norm; /* [hidden] */
+    const float *q_norm, *k_norm;      /* [head_dim] per-head RMSNorm of q and k before rotary (Qwen3), or NULL */
     qk_stacked qkv;
     qk_proj o;
     qk_stacked gate_up;
@@ -157,6 +159,10 @@ int quantkit_decoder_layers(const qk_decoder *m, float *x, int64_t R, const int6
         if ((rc = project_stacked(&L->qkv, h, R, qkv, tmp, nthreads)) != 0) break;
         for (int64_t r = 0; r < R; r++) {
             float *row = qkv + r * width;
+            if (L->q_norm) {  /* in place: each head's D values are one norm row */
+                rms_norm_rows(row, L->q_norm, H, D, m->eps, row);
+                rms_norm_rows(row + H * D, L->k_norm, KVH, D, m->eps, row + H * D);
+            }
             rotate(row, H + KVH, D, cos + r * D, sin_signed + r * D, scores);  /* q and k heads, side by side */
             if (slots[r] < 0) continue;
             memcpy(L->k_cache + slots[r] * KVH * D, row + H * D, sizeof(float) * (size_t)(KVH * D));

@@ -6,7 +6,7 @@ residuals) another 9-10 ms of dispatch. This runs all layers of a step in C on t
 kernels, so that what a step costs is its weights' memory traffic. It covers what the Llama family
 and its kin (Qwen2 with q/k/v bias, Mistral) compute: pre-norm RMSNorm, one fused q/k/v and one
 fused gate/up projection (or the three and two apart), full rotary, GQA attention over an fp32 paged
-cache, SiLU-gated MLP; projections int4, int8 or unquantized fp32 (cpu_gemv's kernels).
+cache, SiLU-gated MLP; projections int4, int8 or unquantized fp32 (cpu_gemv's kernels), and Qwen3's per-head q/k RMSNorm.
 
 The plain PyTorch form of a step is the engine's own layer loop (engine.model_runner.ModelRunner
 .forward): the tests compare the two on the same quantized weights.
@@ -38,7 +38,8 @@ class _Stacked(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", _Stacked), ("o", _Proj),
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("qkv", _Stacked), ("o", _Proj),
                 ("gate_up", _Stacked), ("down", _Proj), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
 
 
@@ -55,7 +56,7 @@ Projection = tuple[Gemv, Optional[torch.Tensor]]  # a prepared kernel and the bi
 
 @dataclass
 class LayerWeights:
-    """One layer as the C step reads it: norm weights (fp32 [hidden]) and the projections as prepared
+    """One layer as the C step reads it: norm weights (fp32 [hidden]; q/k norms [head_dim] or None) and the projections as prepared
     cpu_gemv kernels with their biases; q/k/v (and gate/up) one fused weight or several, whose
     outputs the step lays side by side."""
     attn_norm: torch.Tensor
@@ -64,6 +65,8 @@ class LayerWeights:
     o: Projection
     gate_up: list[Projection]
     down: Projection
+    q_norm: Optional[torch.Tensor] = None  # [head_dim]: per-head RMSNorm of q and k before rotary (Qwen3)
+    k_norm: Optional[torch.Tensor] = None
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -114,9 +117,13 @@ class DecoderStack:
                     raise ValueError(f"layer {i} {name}: {got[0]} -> {got[1]}, the step needs {k} -> {n}")
             if kc.dtype != torch.float32 or not kc.is_contiguous() or kc.shape[-2:] != (num_kv_heads, head_dim):
                 raise ValueError(f"layer {i}: needs a contiguous fp32 cache [..., {num_kv_heads}, {head_dim}]")
-            norms = [w.detach().float().contiguous() for w in (lw.attn_norm, lw.mlp_norm)]
+            if (lw.q_norm is None) != (lw.k_norm is None) or \
+                    any(n is not None and n.shape != (head_dim,) for n in (lw.q_norm, lw.k_norm)):
+                raise ValueError(f"layer {i}: q and k norms come together, [{head_dim}] each")
+            norms = [None if w is None else w.detach().float().contiguous()
+                     for w in (lw.attn_norm, lw.mlp_norm, lw.q_norm, lw.k_norm)]
             self._keep += [*norms, kc, vc, lw]
-            c_layers[i] = _Layer(norms[0].data_ptr(), norms[1].data_ptr(), _stacked(lw.qkv, self._keep),
+            c_layers[i] = _Layer(*[_ptr(n) for n in norms], _stacked(lw.qkv, self._keep),
                                  _proj(lw.o, self._keep), _stacked(lw.gate_up, self._keep), _proj(lw.down, self._keep),
                                  kc.data_ptr(), vc.data_ptr())
         self._layers = c_layers
