@@ -21,8 +21,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from quantkit.engine.decoder import is_plain_linear, norm_eps
 from quantkit.models import get_adapter
 from quantkit.models.base import resolve
 from quantkit.models.layout import GATED, RMS
@@ -51,9 +51,8 @@ def _projection(source) -> Optional[tuple[object, Optional[torch.Tensor]]]:
     if isinstance(source, QuantLinear) and source.spec.input_quant is None:
         gemv = getattr(source.backend_impl(), "decode_gemv", None)
         return None if gemv is None else (gemv, source.bias)
-    hooked = source._forward_hooks or source._forward_pre_hooks or hasattr(source, "_hf_hook")
     kernel = backends.cpu_decode_kernel()
-    if type(source) is nn.Linear and not hooked and source.weight.dtype == torch.float32 and kernel is not None:
+    if is_plain_linear(source) and source.weight.dtype == torch.float32 and kernel is not None:
         return kernel.prepare_f32(source.weight, source.bias), None
     return None
 
@@ -92,7 +91,7 @@ def build(model, decoder, kv_cache, block_size: int, attn_scale: float, rotary) 
                           "8-bit or fp32 linears)")
         norms = [resolve(layer, n) for n in (layout.attn_norm, layout.mlp_norm)]
         head_norms = [resolve(layer, n) for n in (attn.q_norm, attn.k_norm) if n]  # Qwen3: per head
-        eps |= {float(getattr(n, "variance_epsilon", getattr(n, "eps", 1e-6))) for n in norms + head_norms}
+        eps |= {norm_eps(n) for n in norms + head_norms}
         weights.append(LayerWeights(norms[0].weight, norms[1].weight, qkv=projections["qkv"],
                                     o=projections["o"][0], gate_up=projections["gate_up"],
                                     down=projections["down"][0],

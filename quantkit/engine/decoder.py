@@ -36,12 +36,18 @@ def matmul_fn(module: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor],
     the module itself otherwise (and for a hooked one, e.g. accelerate's offload)."""
     from quantkit.runtime.quant_linear import QuantLinear
 
-    hooked = module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook")
-    if type(module) is nn.Linear and not hooked:
+    if is_plain_linear(module):
         return few_rows_linear_fn(module.weight, module.bias, dtype)
     if isinstance(module, QuantLinear):
         return module.matmul_fn(dtype)
     return module
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` whose forward is just ``F.linear`` (no hooks, e.g. accelerate's offload): one
+    that may be computed from its weight and bias directly."""
+    hooked = module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook")
+    return type(module) is nn.Linear and not hooked
 
 
 def few_rows_linear_fn(weight: torch.Tensor, bias: Optional[torch.Tensor],

@@ -7,13 +7,17 @@ The library's name hashes its sources and flags, so an edited kernel is never se
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Optional, Sequence
+
+import torch
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 300  # a compiler that hangs must not hang the first model load (a build takes ~1 s)
@@ -62,3 +66,24 @@ def openmp_runtimes() -> set[str]:
         return set()
     return {line.split()[-1] for line in maps.splitlines()
             if line.rsplit("/", 1)[-1].startswith(OPENMP_LIBRARIES)}
+
+
+class Loaded(NamedTuple):
+    """A compiled library (``lib``), or why there is none (``problem``); ``threads_ok``: only one
+    OpenMP runtime is mapped, so the kernel's threads are PyTorch's own pool (a second runtime would
+    leave two pools spinning against each other, and then the kernels stay on one thread)."""
+    lib: Optional[ctypes.CDLL]
+    problem: Optional[str]
+    threads_ok: bool
+
+
+def load(build_dir: Path, stem: str, sources: Sequence[Path]) -> Loaded:
+    """Build (once) and load the library of `sources`, where it can run: Linux on an AVX2 CPU."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if sys.platform != "linux" or capability not in ("AVX2", "AVX512"):
+        return Loaded(None, f"needs Linux on an AVX2 CPU (this is {sys.platform}, {capability})", False)
+    try:
+        lib = ctypes.CDLL(str(build(build_dir, stem, sources)))
+    except (OSError, RuntimeError) as e:
+        return Loaded(None, f"could not build it ({str(e).splitlines()[0] if str(e) else type(e).__name__})", False)
+    return Loaded(lib, None, len(openmp_runtimes()) <= 1)

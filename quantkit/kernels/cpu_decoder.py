@@ -14,7 +14,6 @@ The plain PyTorch form of a step is the engine's own layer loop (engine.model_ru
 from __future__ import annotations
 
 import ctypes
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -157,22 +156,13 @@ class CpuDecoderKernel:
     """The compiled library, or why there is none (``problem``)."""
 
     def __init__(self, build_dir: Path):
-        self.lib: Optional[ctypes.CDLL] = None
-        self.problem: Optional[str] = None
-        self.threads_ok = False
-        if sys.platform != "linux" or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-            self.problem = f"needs Linux on an AVX2 CPU (this is {sys.platform}, {torch.backends.cpu.get_cpu_capability()})"
-            return
-        try:
-            lib = ctypes.CDLL(str(c_library.build(build_dir, "cpu_decoder", SOURCES)))
-        except (OSError, RuntimeError) as e:
-            self.problem = f"could not build it ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        lib, self.problem, self.threads_ok = c_library.load(build_dir, "cpu_decoder", SOURCES)
+        self.lib: Optional[ctypes.CDLL] = lib
+        if lib is None:
             return
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.quantkit_decoder_layers.argtypes = [ctypes.POINTER(_Decoder), p, i64, p, p, p, i64, p, p, ctypes.c_int]
         lib.quantkit_decoder_layers.restype = ctypes.c_int
-        self.lib = lib
-        self.threads_ok = len(c_library.openmp_runtimes()) <= 1  # see cpu_gemv: one pool, PyTorch's
 
     def stack(self, layers: list[LayerWeights], caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int,
               num_kv_heads: int, head_dim: int, block_size: int, eps: float, attn_scale: float) -> DecoderStack:

@@ -19,7 +19,6 @@ model's few-row products (speculative verification): the exact fp32 product, bat
 from __future__ import annotations
 
 import ctypes
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -175,16 +174,9 @@ class CpuGemvKernels:
     """The compiled library, or why there is none (``problem``)."""
 
     def __init__(self, build_dir: Path):
-        self.lib: Optional[ctypes.CDLL] = None
-        self.problem: Optional[str] = None
-        self.threads_ok = False
-        if sys.platform != "linux" or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-            self.problem = f"needs Linux on an AVX2 CPU (this is {sys.platform}, {torch.backends.cpu.get_cpu_capability()})"
-            return
-        try:
-            lib = ctypes.CDLL(str(c_library.build(build_dir, "cpu_gemv", (SOURCE,))))
-        except (OSError, RuntimeError) as e:
-            self.problem = f"could not build it ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        lib, self.problem, self.threads_ok = c_library.load(build_dir, "cpu_gemv", (SOURCE,))
+        self.lib: Optional[ctypes.CDLL] = lib
+        if lib is None:
             return
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.quantkit_int4_gemm.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
@@ -193,10 +185,6 @@ class CpuGemvKernels:
         lib.quantkit_int8_gemm.restype = ctypes.c_int
         lib.quantkit_f32_gemm.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
         lib.quantkit_f32_gemm.restype = ctypes.c_int
-        self.lib = lib
-        # one OpenMP runtime means the kernel's threads are PyTorch's own pool; a second one would
-        # leave two pools spinning against each other, so then the kernel stays on one thread
-        self.threads_ok = len(c_library.openmp_runtimes()) <= 1
 
     def prepare_int4(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> Int4Gemv:
         if self.lib is None:
