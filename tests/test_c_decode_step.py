@@ -54,6 +54,21 @@ def forced_logits(model, prompt: list[int], forced: list[int], c_step: bool) -> 
 # which the int8 rounding of the next projection's input can amplify: measured 3-5e-7 of the
 # logits' scale on these models. A 1 % error in one attention weight already fails (tried).
 TOLERANCE = 1e-5
+# Now and then a ~1e-7 difference lands on a rounding boundary of that int8 rounding and flips one
+# activation's integer: that position's logits move by ~0.4 % of their scale (measured on Qwen3:
+# one position of 21, in the last layer, so nothing later sees it). Quantized comparisons allow
+# one position in ten such a flip and no more than FLIP_TOLERANCE; every other position within TOLERANCE.
+FLIP_TOLERANCE = 2e-2
+
+
+def assert_close_but_for_flips(got: torch.Tensor, want: torch.Tensor) -> None:
+    """got/want [positions, vocab]: every position within TOLERANCE of the logits' scale, but for at
+    most one in ten within FLIP_TOLERANCE (an int8 activation rounding flip)."""
+    scale = float(want.abs().max())
+    err = (got - want).abs().amax(-1) / scale
+    flipped = int((err > TOLERANCE).sum())
+    assert flipped <= max(1, len(err) // 10), f"{flipped} of {len(err)} positions off: {err.tolist()}"
+    assert float(err.max()) <= FLIP_TOLERANCE, err.tolist()
 
 
 @pytest.mark.parametrize("kind,bits", [("llama", 4), ("mistral", 4), ("qwen2", 4), ("phi3", 4), ("qwen3", 4),
@@ -62,8 +77,7 @@ def test_decode_logits_match_the_python_loop(c_step_available, kind, bits):
     model = quantized(tiny_model(kind), bits)
     prompt, forced = prompts(1, [7])[0], prompts(1, [21], seed=1)[0]
     got, want = forced_logits(model, prompt, forced, True), forced_logits(model, prompt, forced, False)
-    scale = float(want.abs().max())
-    assert float((got - want).abs().max()) <= TOLERANCE * scale
+    assert_close_but_for_flips(got, want)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
@@ -129,6 +143,14 @@ def test_rows_are_batch_invariant(c_step_available):
     both = runner._c_forward(*runner._c_step_rows(rows))
     for i, row in enumerate(rows):
         assert torch.equal(runner._c_forward(*runner._c_step_rows([row])), both[i:i + 1])
+    # and whatever the thread count: projections split output columns, attention (row, head) pairs
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(runner._c_forward(*runner._c_step_rows(rows)), both)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("case", ["opt", "bf16", "int8-kv", "switch", "kernels-off"])
