@@ -152,6 +152,33 @@ def test_draft_model_proposals_are_its_own_greedy_continuations():
     assert not proposer.states
 
 
+def test_the_draft_reads_the_prompt_in_the_prefill_step():
+    """The draft's pass over a prompt is prefill work: after the prefill step its cache holds the
+    prompt, so the first speculative step catches it up on one token (the target's first); a request
+    that ends at its first token leaves nothing in the draft's pool."""
+    target = tiny_model("llama")
+    eng = LLMEngine(target, block_size=4, num_kv_blocks=40, draft=noisy_copy(target, 0.05), num_speculative_tokens=3)
+    proposer = eng.speculative.proposer
+    p = prompts(1, [9], seed=5)[0]
+    eng.add_request(p, greedy(6))
+    eng.step()  # the prefill
+    (state,) = proposer.states.values()
+    assert state.computed == len(p) and state.shadow.token_ids == p
+    caught_up, run_extend = [], proposer.runner.run_extend
+
+    def record(reqs, **kw):
+        caught_up.append([len(r.token_ids) for r in reqs])
+        return run_extend(reqs, **kw)
+    proposer.runner.run_extend = record
+    eng.step()
+    assert caught_up[0] == [1]
+    while not eng.is_finished():
+        eng.step()
+    eng.generate([p], greedy(1))
+    assert not proposer.states
+    assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
+
+
 # ====================================================================== greedy = the target alone
 BAD_DRAFTS = ["noisy", "other", "ngram"]
 

@@ -163,8 +163,12 @@ class LLMEngine:
             m.decode_time_s += now - t0
             m.decode_tokens += len(seqs)
         m.output_tokens += len(seqs)
-        for seq in self.scheduler.postprocess(seqs, token_ids, now):
+        finished = self.scheduler.postprocess(seqs, token_ids, now)
+        for seq in finished:
             m.record_finished(seq)
+        if is_prefill and self.speculative is not None:  # the draft reads the prompts in the prefill step too
+            self.speculative.proposer.prefill([s for s in seqs if s not in finished])
+            m.prefill_time_s += time.perf_counter() - now
         return list(zip(seqs, token_ids))
 
     def _speculative_step(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:

@@ -8,8 +8,9 @@
   checkpoint of the target itself, run by its own :class:`ModelRunner` over its own paged KV pool.
 
 Both answer ``propose(seqs, budgets)`` with at most ``budgets[i]`` tokens per sequence (and, for
-sampled requests of a model draft, the distributions they were drawn from), hear how many were
-accepted (``accepted``) and forget sequences that left the running batch (``retain``).
+sampled requests of a model draft, the distributions they were drawn from), see the prompts the
+target prefilled (``prefill``), hear how many were accepted (``accepted``) and forget sequences that
+left the running batch (``retain``).
 """
 from __future__ import annotations
 
@@ -63,6 +64,9 @@ class NgramProposer:
                 return toks[end + 1:end + 1 + k]
         return []
 
+    def prefill(self, seqs: list[Sequence]) -> None:
+        pass  # the index grows lazily, from the committed tokens
+
     def accepted(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         pass  # the index only ever holds committed tokens
 
@@ -95,6 +99,34 @@ class DraftModelProposer:
         self.states: dict[int, _DraftState] = {}
 
     # ------------------------------------------------------------------ proposing
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """Run the draft over the prompts the target prefilled in this step (all but the token it
+        just sampled), so the first speculative step only catches up on that token: the draft's
+        prompt pass is prefill work, as the target's is, not a cost of decoding. A sequence the
+        draft pool cannot hold now is left to the catch-up of a later step."""
+        fresh = []
+        for seq in seqs:
+            st = self.states.get(seq.seq_id)
+            if st is not None and st.computed:
+                continue
+            shadow = Sequence(seq.token_ids[:-1], seq.sampling_params, seq.block_size)
+            if not self.block_manager.can_append(shadow):
+                continue
+            st = self.states[seq.seq_id] = _DraftState(shadow)
+            self.block_manager.ensure(shadow, len(shadow))
+            fresh.append(st)
+        if fresh:
+            self._prefill_states(fresh)
+
+    def _prefill_states(self, states: list[_DraftState]) -> torch.Tensor:
+        """Prefill each state's shadow sequence from position 0; logits after its last token, [B, V]."""
+        for st in states:
+            st.shadow.num_cached_tokens = 0
+        logits = self.runner.run([st.shadow for st in states], True)
+        for st in states:
+            st.computed = len(st.shadow)
+        return logits
+
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> Proposal:
         out = Proposal([[] for _ in seqs], [None] * len(seqs))
         active = [i for i, k in enumerate(budgets) if k > 0 and self._make_room(seqs[i], k)]
@@ -151,9 +183,7 @@ class DraftModelProposer:
         rest = [i for i, st in enumerate(states) if st.computed > 0]
         rows: dict[int, torch.Tensor] = {}
         if fresh:
-            for i in fresh:
-                states[i].shadow.num_cached_tokens = 0
-            for i, row in zip(fresh, self.runner.run([states[i].shadow for i in fresh], True)):
+            for i, row in zip(fresh, self._prefill_states([states[i] for i in fresh])):
                 rows[i] = row
         if rest:
             reqs = [ExtendRequest(states[i].shadow.block_table, states[i].computed,
