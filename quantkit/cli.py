@@ -177,9 +177,10 @@ def _speculative_options(command):
         click.option("--num-speculative-tokens", type=click.IntRange(min=1), default=4, show_default=True,
                      help="Draft tokens verified per step (with --draft)."),
         click.option("--draft-dtype", default=None, help="Activation dtype of the draft model (default: its own)."),
-        click.option("--lm-head-quant", type=click.Choice(["int8", "int4"]), default=None,
-                     help="Decode through an RTN copy of the LM head only (the embedding is untouched; changes logits)."),
-        click.option("--draft-lm-head-quant", type=click.Choice(["int8", "int4"]), default=None,
+        click.option("--lm-head-quant", type=click.Choice(["int8", "int4", "shortlist"]), default=None,
+                     help="Decode through an RTN copy of the LM head only (the embedding is untouched; changes "
+                          "logits); shortlist: the int4 copy picks 64 candidates, the full head scores them."),
+        click.option("--draft-lm-head-quant", type=click.Choice(["int8", "int4", "shortlist"]), default=None,
                      help="The same for the draft model (a cheaper draft step)."),
     ]):
         command = option(command)

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-sym", action="store_true", help="a symmetric grid (default: asymmetric, the demo's own "
                     "kind of grid, so it fits unusually well: see the module docstring)")
     ap.add_argument("--draft-dtype", default="float32", help="draft activations (the CPU decode kernels take fp32)")
-    ap.add_argument("--draft-lm-head-quant", default="int8", help="the draft's LM head: int8, int4 or none (a "
+    ap.add_argument("--draft-lm-head-quant", default="shortlist", help="the draft's LM head: shortlist, int8, int4 or none (a "
                     "cheaper draft step; the target's head is never quantized)")
     ap.add_argument("--ks", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--new-tokens", type=int, default=64)

@@ -932,3 +932,30 @@ def test_lm_head_quant_leaves_the_tied_embedding_and_equals_its_dequantized_head
     assert err < 2 ** -7, err  # bf16 activations in the packed kernels
     with pytest.raises(QuantkitError, match="lm_head_quant"):
         LLMEngine(model, num_kv_blocks=4, lm_head_quant="int2")
+
+
+def test_shortlist_head_scores_the_int4_heads_candidates_exactly():
+    """lm_head_quant="shortlist": per position, the 64 candidates are the int4 head's top 64 (RTN
+    groups of 64, against plain PyTorch's dequantized product, within the kernel's bf16 rounding),
+    their logits are the unquantized head's (F.linear of transformers' final hidden states, fp32
+    rounding), every other logit is -inf, so the argmax is the unquantized head's."""
+    import torch.nn.functional as F
+
+    from quantkit.engine.quantized_head import SHORTLIST
+    from quantkit.quantizers.grid import rtn_quantize
+
+    model = tiny_model("llama", tie_word_embeddings=True, hidden_size=128, intermediate_size=256)
+    x = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        hidden = model(x, output_hidden_states=True).hidden_states[-1]
+    weight = model.lm_head.weight.detach()
+    exact = F.linear(hidden, weight)
+    rough = F.linear(hidden, rtn_quantize(weight, 4, 64, True).dequantize(torch.float32))
+    got = engine_logits_fn(model, block_size=4, lm_head_quant="shortlist")(x)
+    chosen = torch.isfinite(got)
+    assert SHORTLIST < weight.shape[0] and bool((chosen.sum(-1) == SHORTLIST).all())
+    scale = float(exact.abs().max())
+    assert float((got[chosen] - exact[chosen]).abs().max()) <= 1e-5 * scale
+    cutoff = rough.topk(SHORTLIST, dim=-1).values[..., -1:]  # the int4 head's 64th best per position
+    assert bool((rough.masked_fill(~chosen, float("inf")) >= cutoff - 2 ** -6 * scale).all())
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))

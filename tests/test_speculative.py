@@ -263,11 +263,17 @@ def test_prefix_cache_stays_right_after_speculative_runs():
 
 
 # ====================================================================== sampling through the engine
-def test_speculative_sampling_through_the_engine_follows_the_target():
+@pytest.mark.filterwarnings("ignore:quantkit cpu backend")  # an 8-token head: no int4 kernel for it
+@pytest.mark.parametrize("draft_head", [None, "shortlist"])
+def test_speculative_sampling_through_the_engine_follows_the_target(monkeypatch, draft_head):
     """3000 copies of one prompt sampled at temperature 1 with a noisy draft (k = 2): the joint law
     of the first two new tokens (the second from a speculative step) matches the target's exact
-    p(t1) p(t2 | t1) from transformers' forward (chi-square over 8 x 8 cells). A seeded request
-    gives the same tokens twice."""
+    p(t1) p(t2 | t1) from transformers' forward (chi-square over 8 x 8 cells), also when the draft
+    samples from a shortlist of 3 of the 8 tokens (its LM head "shortlist", cut to 3 here). A seeded
+    request gives the same tokens twice."""
+    from quantkit.engine import quantized_head
+
+    monkeypatch.setattr(quantized_head, "SHORTLIST", 3)
     V, n = 8, 3000
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                    num_key_value_heads=1, vocab_size=V, max_position_embeddings=64,
@@ -281,7 +287,10 @@ def test_speculative_sampling_through_the_engine_follows_the_target():
         p2 = torch.softmax(target(torch.tensor([prompt + [t] for t in range(V)])).logits[:, -1].double(), -1)
     expected = (p1[:, None] * p2).reshape(-1) * n
     eng = LLMEngine(target, block_size=4, num_kv_blocks=n * 2 + 8, max_num_seqs=n, draft=draft,
-                    num_speculative_tokens=2)
+                    num_speculative_tokens=2, draft_lm_head_quant=draft_head)
+    if draft_head:  # the draft's distributions really are cut to the shortlist
+        q = eng.speculative.proposer.runner.head(torch.randn(4, cfg.hidden_size))
+        assert bool((torch.isfinite(q).sum(-1) == 3).all())
     torch.manual_seed(0)
     outs = eng.generate([prompt] * n, SamplingParams(temperature=1.0, max_tokens=3))
     m = eng.get_metrics()

@@ -142,7 +142,7 @@ class DecoderModel:
 
     @classmethod
     def build(cls, model: nn.Module, fuse_projections: bool, lm_head_quant: Optional[str] = None) -> "DecoderModel":
-        """``lm_head_quant`` ("int8", "int4"): decode through a quantized copy of the head only
+        """``lm_head_quant`` ("int8", "int4", "shortlist"): decode through a quantized copy of the head only
         (engine.quantized_head); the embedding, tied or not, is untouched."""
         adapter = get_adapter(model)
         layout = adapter.decoder_layout(model)

@@ -77,7 +77,7 @@ class LLMEngine:
         """``draft``: speculative decoding (``engine.speculative``) with a draft model (same
         tokenizer: pass ``draft_tokenizer`` to have it checked), ``"ngram"`` (prompt lookup) or a
         proposer object, verifying ``num_speculative_tokens`` draft tokens per step.
-        ``lm_head_quant`` / ``draft_lm_head_quant`` ("int8", "int4"): decode through a quantized
+        ``lm_head_quant`` / ``draft_lm_head_quant`` ("int8", "int4", "shortlist"): decode through a quantized
         copy of the target's / draft's LM head only (engine.quantized_head; changes the logits)."""
         if block_size < 1:
             raise QuantkitError(f"block_size must be at least 1, got {block_size}")
