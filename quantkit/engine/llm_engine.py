@@ -163,11 +163,10 @@ class LLMEngine:
             m.decode_time_s += now - t0
             m.decode_tokens += len(seqs)
         m.output_tokens += len(seqs)
-        finished = self.scheduler.postprocess(seqs, token_ids, now)
-        for seq in finished:
+        for seq in self.scheduler.postprocess(seqs, token_ids, now):
             m.record_finished(seq)
         if is_prefill and self.speculative is not None:  # the draft reads the prompts in the prefill step too
-            self.speculative.proposer.prefill([s for s in seqs if s not in finished])
+            self.speculative.proposer.prefill([s for s in seqs if not s.is_finished])
             m.prefill_time_s += time.perf_counter() - now
         return list(zip(seqs, token_ids))
 

@@ -104,8 +104,11 @@ static void rotate(float *v, int64_t heads, int64_t D, const float *cos, const f
     }
 }
 
-static inline int64_t slot_of(const int32_t *table, int64_t pos, int64_t block_size) {
-    return (int64_t)table[pos / block_size] * block_size + pos % block_size;
+/* The cache rows of one kv head for the block holding positions t0.. of a sequence (table): a
+ * block's slots are consecutive, so its positions are `stride` floats apart from this start. */
+static inline const float *block_rows(const float *cache, const int32_t *table, int64_t t0, int64_t bs,
+                                      int64_t KVH, int64_t kvh, int64_t D) {
+    return cache + ((int64_t)table[t0 / bs] * bs * KVH + kvh) * D;
 }
 
 /* q . k over D floats: 8-lane FMAs in order, the fixed horizontal sum, then a scalar tail (D % 8). */
@@ -179,8 +182,8 @@ static void attend_head(const qk_decoder *m, const qk_layer *L, const float *qh,
                         int64_t pos, float *scores, float *out) {
     const int64_t KVH = m->num_kv_heads, D = m->head_dim, bs = m->block_size, stride = KVH * D;
     float mx = -INFINITY;
-    for (int64_t t0 = 0; t0 <= pos; t0 += bs) {  /* block by block: a block's slots are consecutive */
-        const float *k = L->k_cache + ((int64_t)table[t0 / bs] * bs * KVH + kvh) * D;
+    for (int64_t t0 = 0; t0 <= pos; t0 += bs) {  /* block by block */
+        const float *k = block_rows(L->k_cache, table, t0, bs, KVH, kvh, D);
         const int64_t n = pos + 1 - t0 < bs ? pos + 1 - t0 : bs;
         for (int64_t i = 0; i < n; i++) {
             scores[t0 + i] = dot_d(qh, k + i * stride, D) * m->attn_scale;
@@ -190,7 +193,7 @@ static void attend_head(const qk_decoder *m, const qk_layer *L, const float *qh,
     const float sum = exp_shifted(scores, pos + 1, mx);
     for (int64_t j = 0; j < D; j++) out[j] = 0.0f;
     for (int64_t t0 = 0; t0 <= pos; t0 += bs) {
-        const float *v = L->v_cache + ((int64_t)table[t0 / bs] * bs * KVH + kvh) * D;
+        const float *v = block_rows(L->v_cache, table, t0, bs, KVH, kvh, D);
         const int64_t n = pos + 1 - t0 < bs ? pos + 1 - t0 : bs;
         for (int64_t i = 0; i < n; i++) axpy_d(out, scores[t0 + i], v + i * stride, D);
     }
