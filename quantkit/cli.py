@@ -182,6 +182,9 @@ def _speculative_options(command):
                           "logits); shortlist: the int4 copy picks 64 candidates, the full head scores them."),
         click.option("--draft-lm-head-quant", type=click.Choice(["int8", "int4", "shortlist"]), default=None,
                      help="The same for the draft model (a cheaper draft step)."),
+        click.option("--draft-confidence", type=float, default=0.0, show_default=True,
+                     help="A draft model stops drafting for a sequence once its latest token's probability "
+                          "is below this (dynamic draft length; 0: always --num-speculative-tokens)."),
     ]):
         command = option(command)
     return command
@@ -204,7 +207,8 @@ def _speculative_options(command):
 @_speculative_options
 @click.option("--json", "as_json", is_flag=True)
 def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, seed, backend, kv_cache_dtype, block_size,
-             dtype, device, draft, num_speculative_tokens, draft_dtype, lm_head_quant, draft_lm_head_quant, as_json):
+             dtype, device, draft, num_speculative_tokens, draft_dtype, lm_head_quant, draft_lm_head_quant, draft_confidence,
+             as_json):
     """Generate text through the paged-KV engine, streaming tokens as they come."""
     from quantkit.engine.api import generate_text
 
@@ -214,7 +218,8 @@ def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, see
                       top_k=top_k, seed=seed, stream=stream, backend=backend, kv_cache_dtype=kv_cache_dtype,
                       block_size=block_size, dtype=dtype, device=device, draft=draft,
                       num_speculative_tokens=num_speculative_tokens, draft_dtype=draft_dtype, lm_head_quant=lm_head_quant,
-                      draft_lm_head_quant=draft_lm_head_quant)
+                      draft_lm_head_quant=draft_lm_head_quant,
+                  draft_confidence=draft_confidence)
     if as_json:
         click.echo(json.dumps(r, default=str))
     else:
@@ -236,7 +241,7 @@ def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, see
 @_speculative_options
 @click.option("--json", "as_json", is_flag=True)
 def bench(model, batch, input_len, output_len, kv_cache_dtype, block_size, kv_cache_memory, backend, dtype, device, draft,
-          num_speculative_tokens, draft_dtype, lm_head_quant, draft_lm_head_quant, as_json):
+          num_speculative_tokens, draft_dtype, lm_head_quant, draft_lm_head_quant, draft_confidence, as_json):
     """TTFT, TPOT, tokens/s and KV-cache use of a batch run with continuous batching."""
     from quantkit.engine.api import run_bench
 
@@ -245,7 +250,8 @@ def bench(model, batch, input_len, output_len, kv_cache_dtype, block_size, kv_ca
     r = run_bench(model, batch=batch, input_len=input_len, output_len=output_len, kv_cache_dtype=kv_cache_dtype,
                   block_size=block_size, kv_cache_memory=memory, backend=backend, device=device, dtype=dtype,
                   draft=draft, num_speculative_tokens=num_speculative_tokens, draft_dtype=draft_dtype,
-                  lm_head_quant=lm_head_quant, draft_lm_head_quant=draft_lm_head_quant)
+                  lm_head_quant=lm_head_quant, draft_lm_head_quant=draft_lm_head_quant,
+                  draft_confidence=draft_confidence)
     human = (f"ttft {r['ttft_ms']:.1f} ms, tpot {r['tpot_ms']:.1f} ms, {r['tokens_per_s']:.1f} tokens/s; "
              f"KV blocks {r['kv_blocks_used']}/{r['kv_blocks_total']} ({r['kv_bytes_per_block']} B each), "
              f"prefix hit rate {r['prefix_hit_rate']:.2f}")

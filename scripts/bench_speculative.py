@@ -8,7 +8,10 @@ Target: the demo model (SmolLM2-135M-Instruct) in fp32. Drafts:
   for another, ``--draft-method rtn``, ``--draft-sym``), greedy, k = 1..8 (``--ks``). The demo's
   weights come from a Q4_1 GGUF (asymmetric 4-bit, blocks of 32), so an asymmetric g32 draft fits
   them unusually well: its acceptance is an upper end of what a natively bf16 model's int4 draft
-  reaches; ``--draft-sym`` shows the other end;
+  reaches; ``--draft-sym`` shows the other end; ``--draft`` a per-channel int8 checkpoint shows a
+  dearer draft step that agrees far more often;
+* the same draft with a varying draft length (``--confidence-rows k:T``, rows ``conf=T``: up to k
+  tokens, a sequence stopping once the draft gives its latest token a probability below T);
 * n-gram prompt lookup (no model), on a prompt whose answer quotes its context (extraction) and
   on free generation.
 
@@ -19,7 +22,9 @@ the same round. Decode only (prefill excluded): tokens / time of the decode step
     c          = draft decode step time / target decode step time (each decoding alone)
     alpha      = per-token acceptance: accepted / (accepted + rejections)
     E[tok]     = (1 - alpha^(k+1)) / (1 - alpha), expected tokens per step
-    predicted  = E[tok] / (k c + 1)   (Leviathan et al.: the verification costs one target step)
+    predicted  = E[tok] / (k c + 1)   (Leviathan et al.: the verification costs one target step);
+                 for a ``conf=`` row (up to k tokens, the draft stopping once it gives its latest token a
+                 probability below the threshold), tok/step / (n c + 1), n the measured draft tokens per step
     measured   = speculative decode tok/s / target-alone decode tok/s
     verify/tgt = a verification step's time / a target decode step's (k + 1 rows vs 1)
     draft/tgt  = the draft's time per speculative step / a target decode step's (k c if drafting
@@ -104,6 +109,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-lm-head-quant", default="shortlist", help="the draft's LM head: shortlist, int8, int4 or none (a "
                     "cheaper draft step; the target's head is never quantized)")
     ap.add_argument("--ks", default="1,2,3,4,5,6,7,8")
+    ap.add_argument("--confidence-rows", default="5:0.3",
+                    help="comma-separated k:threshold rows drafting up to k tokens with the draft stopping below "
+                         "the threshold (draft_confidence); '' for none")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -135,10 +143,15 @@ def main(argv=None) -> int:
         return LLMEngine(model, tok, num_kv_blocks=blocks, max_num_seqs=1, enable_prefix_caching=False, **kw)
 
     rows = {"target alone (free)": (engine(target), free), "target alone (quote)": (engine(target), quote),
-            "int4 draft alone (free)": (engine(draft, lm_head_quant=head), free)}
+            "draft alone (free)": (engine(draft, lm_head_quant=head), free)}
     for k in ks:
-        rows[f"int4 draft, k={k} (free)"] = (engine(target, draft=draft, num_speculative_tokens=k, draft_tokenizer=tok,
+        rows[f"draft, k={k} (free)"] = (engine(target, draft=draft, num_speculative_tokens=k, draft_tokenizer=tok,
                                                    draft_lm_head_quant=head), free)
+    confidence_rows = [(int(k), float(t)) for k, t in (r.split(":") for r in args.confidence_rows.split(",") if r)]
+    for k, threshold in confidence_rows:
+        rows[f"draft, k={k} conf={threshold:g} (free)"] = (
+            engine(target, draft=draft, num_speculative_tokens=k, draft_tokenizer=tok, draft_lm_head_quant=head,
+                   draft_confidence=threshold), free)
     for k in (2, 4):
         rows[f"ngram, k={k} (quote)"] = (engine(target, draft="ngram", num_speculative_tokens=k), quote)
         rows[f"ngram, k={k} (free)"] = (engine(target, draft="ngram", num_speculative_tokens=k), free)
@@ -158,7 +171,7 @@ def report(runs: dict, ks: list[int], args, draft_path, tok, free_len: int, quot
     med = lambda xs: statistics.median(xs)  # noqa: E731
     base = {"free": runs["target alone (free)"], "quote": runs["target alone (quote)"]}
     want = {key: runs[f"target alone ({key})"][0]["tokens"] for key in base}
-    c_rounds = [d["step_ms"] / t["step_ms"] for d, t in zip(runs["int4 draft alone (free)"], base["free"])]
+    c_rounds = [d["step_ms"] / t["step_ms"] for d, t in zip(runs["draft alone (free)"], base["free"])]
     c = med(c_rounds)
     print(f"\ndemo model fp32 target, draft {describe(draft_path)} ({args.draft_dtype} activations, LM head "
           f"{args.draft_lm_head_quant}), {torch.get_num_threads()} "
@@ -166,8 +179,8 @@ def report(runs: dict, ks: list[int], args, draft_path, tok, free_len: int, quot
           f"{args.new_tokens} new tokens, prompts of {free_len} (free) / {quote_len} (quote) tokens, median of "
           f"{args.rounds} rounds; the machine is shared, per-round ratios below")
     print(f"target alone: {med([r['decode_tokens_per_s'] for r in base['free']]):.1f} decode tok/s "
-          f"({med([r['step_ms'] for r in base['free']]):.1f} ms/step); int4 draft alone: "
-          f"{med([r['decode_tokens_per_s'] for r in runs['int4 draft alone (free)']]):.1f} tok/s; "
+          f"({med([r['step_ms'] for r in base['free']]):.1f} ms/step); draft alone: "
+          f"{med([r['decode_tokens_per_s'] for r in runs['draft alone (free)']]):.1f} tok/s; "
           f"c = {c:.3f} (rounds: {' '.join(f'{x:.3f}' for x in c_rounds)})")
     head = f"{'':26s} {'tok/s':>7s} {'accept':>7s} {'alpha':>6s} {'tok/step':>8s} {'verify/tgt':>10s} " \
            f"{'draft/tgt':>9s} {'predicted':>9s} {'accounted':>9s} {'measured':>8s}  per-round speed-ups   same tokens"
@@ -185,7 +198,11 @@ def report(runs: dict, ks: list[int], args, draft_path, tok, free_len: int, quot
         verify, drafting = in_target_steps("verify_time_s"), in_target_steps("draft_time_s")
         alpha = med([r["per_token_acceptance"] or 0.0 for r in rs])
         tps = 1 + med([r["mean_accepted_tokens"] or 0.0 for r in rs])
-        pred = predicted(alpha, k, c if "int4" in name else 0.0)
+        if "conf=" in name:  # a varying draft length: Leviathan's cost model with the measured draft tokens per step
+            proposed = med([r["mean_accepted_tokens"] / r["acceptance_rate"] for r in rs if r["acceptance_rate"]])
+            pred = tps / (proposed * c + 1)
+        else:
+            pred = predicted(alpha, k, 0.0 if name.startswith("ngram") else c)
         same = all(r["tokens"] == want[key] for r in rs)
         row = {"decode_tokens_per_s": med([r["decode_tokens_per_s"] for r in rs]), "acceptance_rate":
                med([r["acceptance_rate"] or 0.0 for r in rs]), "alpha": alpha, "tokens_per_step": tps,
@@ -193,7 +210,7 @@ def report(runs: dict, ks: list[int], args, draft_path, tok, free_len: int, quot
                "accounted": tps / (med(drafting) + med(verify)), "measured": med(ups), "speedups": ups,
                "same_tokens": same}
         table["rows"][name] = row
-        print(f"{name:26s} {row['decode_tokens_per_s']:7.1f} {row['acceptance_rate']:7.3f} {alpha:6.3f} {tps:8.2f} "
+        print(f"{name:34s} {row['decode_tokens_per_s']:7.1f} {row['acceptance_rate']:7.3f} {alpha:6.3f} {tps:8.2f} "
               f"{row['verify_over_target_step']:10.2f} {row['draft_over_target_step']:9.2f} {pred:8.2f}x "
               f"{row['accounted']:8.2f}x {row['measured']:7.2f}x  "
               + " ".join(f"{x:4.2f}x" for x in ups) + f"   {'yes' if same else 'NO'}")

@@ -30,6 +30,17 @@ def chi2_sf(stat: float, df: int) -> float:
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
+def pooled_chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Chi-square goodness of fit with the cells expected fewer than `min_expected` times pooled into
+    one (the usual validity rule: one observation in a cell expected 0.001 times would otherwise
+    add ~1000 to the statistic on its own)."""
+    small = expected < min_expected
+    obs = torch.cat([observed[~small], observed[small].sum().reshape(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    return chi2_sf(stat, obs.numel() - 1)
+
+
 def first_two_tokens(p: torch.Tensor, q: torch.Tensor, n: int, seed: int, one_hot: bool) -> torch.Tensor:
     """Counts [V * V] of the first two tokens emitted by n independent streams under rejection
     sampling with K = len(q) draft tokens. The target is p[j] at stream position j, whatever came
@@ -179,6 +190,45 @@ def test_the_draft_reads_the_prompt_in_the_prefill_step():
     assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
 
 
+def test_draft_confidence_stops_drafting_where_the_draft_is_unsure():
+    """With ``draft_confidence`` a sequence stops drafting once the draft's probability for its latest
+    token is below it: proposals are cut exactly after the first such token (checked against the
+    draft's own softmax from transformers' forward), never where the draft is sure, and the
+    greedy output is still the target's. Refused without a draft model, and outside [0, 1)."""
+    target = tiny_model("llama")
+    draft = noisy_copy(target, 0.05)
+    ps = prompts(2, [6, 11], seed=3)
+    want = [hf_greedy(target, p, 16) for p in ps]
+    threshold = 0.03  # the random tiny model's top probabilities (0.02-0.08) straddle it
+    eng = LLMEngine(target, block_size=4, num_kv_blocks=40, draft=draft, num_speculative_tokens=4,
+                    draft_confidence=threshold)
+    seen, propose = [], eng.speculative.proposer.propose
+
+    def record(seqs, budgets):
+        out = propose(seqs, budgets)
+        seen.extend((list(s.token_ids), k, d) for s, k, d in zip(seqs, budgets, out.tokens) if k)
+        return out
+    eng.speculative.proposer.propose = record
+    assert [g["token_ids"] for g in eng.generate(ps, greedy(16))] == want
+    cut = full = 0
+    for context, budget, proposal in seen:
+        with torch.no_grad():
+            logits = draft(torch.tensor([context + proposal])).logits[0, len(context) - 1:]
+        top = torch.softmax(logits.double(), -1).amax(-1)[:len(proposal)].tolist()
+        assert proposal == hf_greedy(draft, context, len(proposal))
+        assert all(t >= threshold for t in top[:-1]), (top, proposal)  # no stop before the last token
+        if len(proposal) < budget:
+            assert top[-1] < threshold, top  # stopped right after an unsure token
+            cut += 1
+        else:
+            full += 1
+    assert cut and full, (cut, full)
+    with pytest.raises(QuantkitError, match="needs a draft model"):
+        LLMEngine(target, block_size=4, num_kv_blocks=40, draft="ngram", draft_confidence=0.5)
+    with pytest.raises(QuantkitError, match=r"in \[0, 1\)"):
+        LLMEngine(target, block_size=4, num_kv_blocks=40, draft=draft, draft_confidence=1.0)
+
+
 # ====================================================================== greedy = the target alone
 BAD_DRAFTS = ["noisy", "other", "ngram"]
 
@@ -264,13 +314,15 @@ def test_prefix_cache_stays_right_after_speculative_runs():
 
 # ====================================================================== sampling through the engine
 @pytest.mark.filterwarnings("ignore:quantkit cpu backend")  # an 8-token head: no int4 kernel for it
-@pytest.mark.parametrize("draft_head", [None, "shortlist"])
-def test_speculative_sampling_through_the_engine_follows_the_target(monkeypatch, draft_head):
-    """3000 copies of one prompt sampled at temperature 1 with a noisy draft (k = 2): the joint law
-    of the first two new tokens (the second from a speculative step) matches the target's exact
-    p(t1) p(t2 | t1) from transformers' forward (chi-square over 8 x 8 cells), also when the draft
-    samples from a shortlist of 3 of the 8 tokens (its LM head "shortlist", cut to 3 here). A seeded
-    request gives the same tokens twice."""
+@pytest.mark.parametrize("draft_head,confidence", [(None, 0.0), ("shortlist", 0.0), (None, 0.3)])
+def test_speculative_sampling_through_the_engine_follows_the_target(monkeypatch, draft_head, confidence):
+    """3000 copies of one prompt sampled at temperature 1 with a noisy draft (k = 2): the joint laws
+    of the first two new tokens (the second from a speculative step) and of the second and third
+    match the target's exact p(t1) p(t2 | t1) and sum_t1 p(t1) p(t2 | t1) p(t3 | t1, t2) from
+    transformers' forward (chi-square over 8 x 8 cells each, those expected < 5 times pooled), also
+    when the draft samples from a shortlist of 3 of the 8 tokens (its LM head "shortlist", cut to 3
+    here) and when it stops drafting below a confidence of 0.3 (then some steps propose 1 token,
+    some 2). A seeded request gives the same tokens twice."""
     from quantkit.engine import quantized_head
 
     monkeypatch.setattr(quantized_head, "SHORTLIST", 3)
@@ -285,20 +337,34 @@ def test_speculative_sampling_through_the_engine_follows_the_target(monkeypatch,
     with torch.no_grad():
         p1 = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double(), -1)
         p2 = torch.softmax(target(torch.tensor([prompt + [t] for t in range(V)])).logits[:, -1].double(), -1)
-    expected = (p1[:, None] * p2).reshape(-1) * n
+        p3 = torch.softmax(target(torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])).logits[:, -1]
+                           .double(), -1).reshape(V, V, V)
+    joint12 = p1[:, None] * p2
+    laws = {(0, 1): joint12.reshape(-1) * n, (1, 2): (joint12[:, :, None] * p3).sum(0).reshape(-1) * n}
     eng = LLMEngine(target, block_size=4, num_kv_blocks=n * 2 + 8, max_num_seqs=n, draft=draft,
-                    num_speculative_tokens=2, draft_lm_head_quant=draft_head)
+                    num_speculative_tokens=2, draft_lm_head_quant=draft_head, draft_confidence=confidence)
     if draft_head:  # the draft's distributions really are cut to the shortlist
         q = eng.speculative.proposer.runner.head(torch.randn(4, cfg.hidden_size))
         assert bool((torch.isfinite(q).sum(-1) == 3).all())
+    lengths, propose = [], eng.speculative.proposer.propose  # (budget, proposed) per sequence-step
+
+    def record(seqs, budgets):
+        out = propose(seqs, budgets)
+        lengths.extend(zip(budgets, map(len, out.tokens)))
+        return out
+    eng.speculative.proposer.propose = record
     torch.manual_seed(0)
-    outs = eng.generate([prompt] * n, SamplingParams(temperature=1.0, max_tokens=3))
+    outs = eng.generate([prompt] * n, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
     m = eng.get_metrics()
     assert 0.2 < m["acceptance_rate"] < 0.9, m["acceptance_rate"]
-    pairs = torch.tensor([o["token_ids"][0] * V + o["token_ids"][1] for o in outs])
-    observed = torch.bincount(pairs, minlength=V * V).double()
-    stat = float(((observed - expected) ** 2 / expected).sum())
-    assert chi2_sf(stat, V * V - 1) > 1e-3, stat
+    stopped = sum(length < budget for budget, length in lengths)
+    ran_on = sum(length == budget == 2 for budget, length in lengths)
+    assert (stopped > n // 10 and ran_on > n // 10) if confidence else (stopped == 0 and ran_on > n // 2), \
+        (stopped, ran_on)
+    for (i, j), expected in laws.items():
+        pairs = torch.tensor([o["token_ids"][i] * V + o["token_ids"][j] for o in outs])
+        observed = torch.bincount(pairs, minlength=V * V).double()
+        assert pooled_chi2_pvalue(observed, expected) > 1e-3, (i, j, observed, expected)
     assert_pool_full(eng)
     seeded = SamplingParams(temperature=0.8, top_k=5, max_tokens=12, seed=11)
     a = eng.generate([prompt], seeded)[0]["token_ids"]

@@ -73,10 +73,12 @@ class LLMEngine:
                  num_kv_blocks: Optional[int] = None, kv_cache_fraction: Optional[float] = None,
                  attention_backend: str = "auto", fuse_projections: Optional[bool] = None, draft=None,
                  num_speculative_tokens: int = 4, draft_tokenizer=None, lm_head_quant: Optional[str] = None,
-                 draft_lm_head_quant: Optional[str] = None):
+                 draft_lm_head_quant: Optional[str] = None, draft_confidence: float = 0.0):
         """``draft``: speculative decoding (``engine.speculative``) with a draft model (same
         tokenizer: pass ``draft_tokenizer`` to have it checked), ``"ngram"`` (prompt lookup) or a
-        proposer object, verifying ``num_speculative_tokens`` draft tokens per step.
+        proposer object, verifying up to ``num_speculative_tokens`` draft tokens per step; a draft
+        model stops early for a sequence once it gives its latest token a probability below
+        ``draft_confidence`` (0: always ``num_speculative_tokens``; engine.proposers).
         ``lm_head_quant`` / ``draft_lm_head_quant`` ("int8", "int4", "shortlist"): decode through a quantized
         copy of the target's / draft's LM head only (engine.quantized_head; changes the logits)."""
         if block_size < 1:
@@ -90,7 +92,8 @@ class LLMEngine:
         self.speculative: Optional[SpeculativeDecoder] = None
         if draft is not None:
             proposer = make_proposer(draft, self.runner, num_speculative_tokens, max_num_seqs, tokenizer,
-                                     draft_tokenizer, kv_cache_dtype, lm_head_quant=draft_lm_head_quant, **runner_kw)
+                                     draft_tokenizer, kv_cache_dtype, draft_confidence,
+                                     lm_head_quant=draft_lm_head_quant, **runner_kw)
             self.speculative = SpeculativeDecoder(self.runner, proposer, num_speculative_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, eos_token_ids(model, tokenizer),

@@ -86,12 +86,23 @@ class DraftModelProposer:
     """A draft model run by its own ModelRunner and KV pool (no prefix caching: its blocks follow
     one target sequence each). A step first catches the draft up on the sequence's tokens it has
     not seen (the whole prompt once, afterwards the one or two tokens the last verification added),
-    whose last logits give the first draft token, then runs one decode step per further token."""
+    whose last logits give the first draft token, then runs one decode step per further token.
+
+    ``min_confidence`` (dynamic draft length, as transformers' ``assistant_confidence_threshold``):
+    a sequence stops drafting this step once the draft gave its latest token a probability below it
+    (greedy: the top probability; sampled: the drawn token's). Why: where the draft is unsure the
+    target usually rejects, so further draft steps are wasted and the verification grows by a row
+    each; where it is sure, drafting runs on to ``k``. The target's output is unchanged either way
+    (greedy: every verified token is the target's argmax; sampled: the stopping rule reads only the
+    draft's own distributions, so rejection sampling stays exact)."""
 
     name = "model"
 
     def __init__(self, model, target_vocab: int, num_blocks: int, block_size: int = 16,
-                 kv_cache_dtype="auto", max_num_seqs: int = 64, **runner_kwargs):
+                 kv_cache_dtype="auto", max_num_seqs: int = 64, min_confidence: float = 0.0, **runner_kwargs):
+        if not 0.0 <= min_confidence < 1.0:
+            raise QuantkitError(f"the draft confidence threshold must be in [0, 1), got {min_confidence}")
+        self.min_confidence = min_confidence
         self.runner = ModelRunner(model, block_size=block_size, kv_cache_dtype=kv_cache_dtype, num_blocks=num_blocks,
                                   max_num_seqs=max_num_seqs, **runner_kwargs)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
@@ -134,23 +145,30 @@ class DraftModelProposer:
             return out
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         logits = self._catch_up([seqs[i] for i in active])
-        step = active
+        step, unsure = active, set()
         for j in range(max(budgets[i] for i in active)):
             if j:
-                step = [i for i in step if budgets[i] > j]
+                step = [i for i in step if budgets[i] > j and i not in unsure]
+                if not step:
+                    break
                 shadows = [self.states[seqs[i].seq_id].shadow for i in step]
                 for sh, i in zip(shadows, step):
                     sh.append_token(out.tokens[i][-1])
                 logits = self.runner.run(shadows, False)
             logits = logits[:, :self.vocab]  # a larger draft vocabulary is cut to the target's
             argmax = logits.argmax(dim=-1).tolist()
+            top = self._top_probability(logits) if self.min_confidence > 0 else None
             for row, i in enumerate(step):
                 if seqs[i].sampling_params.greedy:
                     out.tokens[i].append(argmax[row])
-                    continue
-                tok, q = self._draw(seqs[i], logits[row])
-                out.tokens[i].append(tok)
-                probs[i].append(q)
+                    confidence = None if top is None else top[row]
+                else:
+                    tok, q = self._draw(seqs[i], logits[row])
+                    out.tokens[i].append(tok)
+                    probs[i].append(q)
+                    confidence = float(q[tok])
+                if confidence is not None and confidence < self.min_confidence:
+                    unsure.add(i)
         for i in active:
             st = self.states[seqs[i].seq_id]
             st.proposed = len(out.tokens[i])
@@ -191,6 +209,12 @@ class DraftModelProposer:
             for i, row in zip(rest, self.runner.run_extend(reqs, last_only=True)):
                 rows[i] = row
         return torch.stack([rows[i] for i in range(len(seqs))])
+
+    @staticmethod
+    def _top_probability(logits: torch.Tensor) -> list[float]:
+        """Per row, the softmax probability of the argmax: 1 / sum(exp(logits - max))."""
+        lg = logits.float()
+        return (1.0 / torch.exp(lg - lg.amax(dim=-1, keepdim=True)).sum(dim=-1)).tolist()
 
     def _draw(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
         """A sampled request's draft token and the distribution it was drawn from, over the target's

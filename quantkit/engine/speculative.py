@@ -59,9 +59,14 @@ def check_same_tokenizer(tokenizer, draft_tokenizer, target_vocab: int, draft_vo
 
 
 def make_proposer(draft, runner: ModelRunner, num_speculative_tokens: int, max_num_seqs: int, tokenizer=None,
-                  draft_tokenizer=None, kv_cache_dtype="auto", **runner_kwargs):
+                  draft_tokenizer=None, kv_cache_dtype="auto", draft_confidence: float = 0.0, **runner_kwargs):
     """``"ngram"``, a proposer object, or a draft model (run with a KV pool of the target's block count
-    plus room for every sequence's draft tokens)."""
+    plus room for every sequence's draft tokens; ``draft_confidence``: DraftModelProposer's
+    ``min_confidence``, a draft model's only)."""
+    if isinstance(draft, str) or hasattr(draft, "propose"):
+        if draft_confidence:
+            raise QuantkitError(f"draft_confidence {draft_confidence} needs a draft model (it reads the draft's "
+                                "probabilities); leave it at 0 with an n-gram or custom proposer")
     if isinstance(draft, str):
         if draft.strip().lower() != "ngram":
             raise QuantkitError(f"draft {draft!r} is not a model; pass a loaded model, a path through the CLI/API, "
@@ -74,7 +79,7 @@ def make_proposer(draft, runner: ModelRunner, num_speculative_tokens: int, max_n
     check_same_tokenizer(tokenizer, draft_tokenizer, target_vocab, draft_vocab)
     spare = max_num_seqs * (-(-num_speculative_tokens // runner.block_size) + 1)
     return DraftModelProposer(draft, target_vocab, runner.num_blocks + spare, runner.block_size, kv_cache_dtype,
-                              max_num_seqs, **runner_kwargs)
+                              max_num_seqs, draft_confidence, **runner_kwargs)
 
 
 class SpeculativeDecoder:
