@@ -41,23 +41,43 @@ def _weights(n, k, gs, sym, seed):
     return qw.qweight, qw.scales, qw.zeros, (k if gs == -1 else gs), g
 
 
-def test_pack_int4_puts_code_j_low_and_j_plus_16_high():
-    codes = torch.randint(0, 16, (3, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    packed = cpu_gemv.pack_int4(codes)
-    assert packed.shape == (3, 32) and packed.dtype == torch.uint8
-    for row in range(3):
-        for block in range(2):
-            for j in range(16):
-                byte = int(packed[row, block * 16 + j])
-                assert byte & 0xF == int(codes[row, block * 32 + j])
-                assert byte >> 4 == int(codes[row, block * 32 + 16 + j])
+def test_pack_int4_streams_each_tile_of_8_rows_group_by_group():
+    """Tile T, group g: 8 scales and 8 zero offsets (-scale * zero, fp32), then per block b and vector
+    L byte 4r + i = row 8T + r's code 32b + 4L + i (low nibble) | code 32b + 16 + 4L + i (high
+    nibble); rows past N are zero padding (read back value by value)."""
+    n, k, gs = 11, 128, 64
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scales, zeros = torch.rand(n, k // gs, generator=g), torch.randint(0, 16, (n, k // gs), generator=g).float()
+    packed = cpu_gemv.pack_int4(codes, scales, zeros, gs)
+    group_bytes = 64 + (gs // 32) * 128
+    assert packed.shape == (2, 2, group_bytes) and packed.dtype == torch.uint8
+    for tile in range(2):
+        for group in range(2):
+            head = packed[tile, group, :64].clone().view(torch.float32).reshape(2, 8)
+            body = packed[tile, group, 64:].tolist()
+            for r in range(8):
+                row = tile * 8 + r
+                if row >= n:
+                    assert head[:, r].tolist() == [0.0, 0.0]
+                    assert all(body[((b * 4 + L) * 8 + r) * 4 + i] == 0 for b in range(2) for L in range(4)
+                               for i in range(4))
+                    continue
+                assert head[0, r] == scales[row, group] and head[1, r] == -scales[row, group] * zeros[row, group]
+                for b in range(gs // 32):
+                    for L in range(4):
+                        for i in range(4):
+                            byte = body[((b * 4 + L) * 8 + r) * 4 + i]
+                            col = group * gs + b * 32 + 4 * L + i
+                            assert (byte & 0xF, byte >> 4) == (int(codes[row, col]), int(codes[row, col + 16]))
 
 
 @pytest.mark.parametrize("n,k,gs,sym", [(96, 256, 32, False), (64, 576, 64, True), (37, 384, 128, False),
                                         (48, 1536, -1, False), (50, 192, 64, False)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 17])
 def test_kernel_matches_its_reference(kernel, n, k, gs, sym, m):
-    """Every tile shape (1x4, 2x4, 3x2, 4x2, and the one-output tail when N % 4 != 0)."""
+    """1-4 rows per pass (5, 9, 17: several passes), N a multiple of 8 or not (the last tile's
+    padding rows dropped), group sizes 32 to per-channel."""
     codes, scales, zeros, group, g = _weights(n, k, gs, sym, seed=n + k + m)
     x = torch.randn(m, k, generator=g)
     x[0, :32] = 0.0  # an all-zero activation block (scale 0) must give 0, not NaN

@@ -30,8 +30,8 @@
 typedef struct {
     int32_t bits;              /* 4: int4 (pack_int4 layout, groups of G); 8: int8, one scale per row; 32: fp32 */
     int64_t K, N, G;
-    const void *w;
-    const float *scale, *zoff; /* zoff: 4-bit only (-scale * zero per group); neither for fp32 */
+    const void *w;             /* 4-bit: pack_int4's tiles, their scales and zero offsets inside */
+    const float *scale;        /* int8 only: one per output row */
     const float *bias;         /* [N] or NULL */
 } qk_proj;
 
@@ -60,7 +60,7 @@ typedef struct {
 
 static int project(const qk_proj *p, const float *x, int64_t M, float *y, int nthreads) {
     if (p->bits == 32) return quantkit_f32_gemm(x, M, p->K, p->N, p->w, p->bias, y, nthreads);
-    const int rc = p->bits == 4 ? gemm(gemv_rows, x, M, p->K, p->N, p->w, p->scale, p->zoff, p->G, y, nthreads)
+    const int rc = p->bits == 4 ? gemm(gemv_rows, x, M, p->K, p->N, p->w, NULL, NULL, p->G, y, nthreads)
                                 : gemm(gemv8_rows, x, M, p->K, p->N, p->w, p->scale, NULL, p->K, y, nthreads);
     if (rc == 0 && p->bias)
         for (int64_t m = 0; m < M; m++)

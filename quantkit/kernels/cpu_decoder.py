@@ -28,8 +28,7 @@ SOURCES = (Path(__file__).with_name("cpu_decoder.c"), Path(__file__).with_name("
 
 class _Proj(ctypes.Structure):
     _fields_ = [("bits", ctypes.c_int32), ("K", ctypes.c_int64), ("N", ctypes.c_int64), ("G", ctypes.c_int64),
-                ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zoff", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p)]
+                ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
 class _Stacked(ctypes.Structure):
@@ -77,16 +76,15 @@ def _proj(projection: Projection, keep: list) -> _Proj:
     if isinstance(gemv, F32Gemv):
         if bias is not None:
             raise ValueError("an fp32 kernel carries its own bias")
-        return _Proj(32, gemv.k, gemv.n, gemv.k, gemv.weight.data_ptr(), None, None, _ptr(gemv.bias))
+        return _Proj(32, gemv.k, gemv.n, gemv.k, gemv.weight.data_ptr(), None, _ptr(gemv.bias))
     if bias is not None:
         bias = bias.detach().float().contiguous()
         if bias.shape != (gemv.n,):
             raise ValueError(f"bias of {tuple(bias.shape)} for a projection of {gemv.n} outputs")
         keep.append(bias)
     if isinstance(gemv, Int4Gemv):
-        return _Proj(4, gemv.k, gemv.n, gemv.group_size, gemv.weight.data_ptr(), gemv.scale.data_ptr(),
-                     gemv.zoff.data_ptr(), _ptr(bias))
-    return _Proj(8, gemv.k, gemv.n, gemv.k, gemv.weight.data_ptr(), gemv.scale.data_ptr(), None, _ptr(bias))
+        return _Proj(4, gemv.k, gemv.n, gemv.group_size, gemv.weight.data_ptr(), None, _ptr(bias))
+    return _Proj(8, gemv.k, gemv.n, gemv.k, gemv.weight.data_ptr(), gemv.scale.data_ptr(), _ptr(bias))
 
 
 def _stacked(projections: list[Projection], keep: list) -> _Stacked:

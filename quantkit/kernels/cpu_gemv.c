@@ -1,8 +1,8 @@
 /* int4 (and int8) weights times int8-quantized activations on AVX2 CPUs, a few rows at a time (decode).
  *
  * The arithmetic is llama.cpp's Q4 x Q8_0: each row of x is quantized in blocks of 32 to int8
- * (d = max|x| / 127, xq = round(x / d)), each block's integer dot with the 4-bit codes is one
- * maddubs + madd, and the float scales are applied per block. With w = s_g * (q - z_g):
+ * (d = max|x| / 127, xq = round(x / d)), each block's dot with the 4-bit codes is exact integer SIMD
+ * (maddubs, madd), and the float scales are applied per block. With w = s_g * (q - z_g):
  *
  *     y[m, n] = sum_g s_g * sum_{b in g} d_{m,b} * <q_b, xq_{m,b}>  +  sum_g (-s_g * z_g) * sum_{b in g} d_{m,b} * sum(xq_{m,b})
  *
@@ -12,8 +12,19 @@
  * against 0.5 % this way; rounding x to bf16 alone gives 0.17 %). The
  * plain PyTorch form is quantkit.kernels.cpu_gemv.reference_int4_gemv; the tests hold the two together.
  *
- * Weight layout (quantkit.kernels.cpu_gemv.pack_int4): [N, K/2] bytes; in each block of 32 codes,
- * byte j holds code j in its low nibble and code j + 16 in its high nibble.
+ * Weight layout (quantkit.kernels.cpu_gemv.pack_int4): tiles of 8 output rows (N padded to a multiple
+ * of 8 with zero rows), each one sequential stream of its groups; a group is its 8 rows' scales and
+ * zero offsets (2 x 8 floats) followed by its blocks of 32 inputs, 128 bytes each = 4 vectors of 32:
+ * in vector L, byte 4r + i holds row r's code 4L + i in its low nibble and code 16 + 4L + i in its
+ * high nibble, so one load and two masks give the 4-input chunks L and L + 4 of all 8 rows. Each
+ * chunk is multiplied (maddubs) by its 4 activations broadcast to every lane, the 8 chunks' int16
+ * pair sums add up exactly (|sum| <= 8 * 2 * 15 * 127 = 30480 < 2^15), and one madd then leaves row
+ * r's integer block dot product in lane r: one int32 -> float conversion and one FMA per block serve
+ * 8 rows, where a row-major layout needs them per row plus a horizontal sum at the end (llama.cpp's
+ * CPU backend repacks Q4_0 the same way: ggml-cpu/repack.cpp, block_q4_0x8, ggml_gemv_q4_0_8x8_q8_0).
+ * Scales inside the stream, not in a [rows, groups] array beside it: a tile then reads one
+ * sequential run of memory, which the hardware prefetcher follows (a group-major scale array read
+ * tile by tile is a strided walk, and with g32 it cost as much as the arithmetic saved).
  *
  * Threads: output rows are split over OpenMP threads. The library links libgomp.so.1, which the
  * loader resolves to the copy PyTorch already loaded (same soname), so this kernel and PyTorch
@@ -23,6 +34,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define QK 32        /* activation block */
 #define MAX_ROWS 4  /* rows of x handled per pass over the weights */
@@ -60,72 +72,85 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t G, int8_
     }
 }
 
-/* One tile: MR rows of x against NR consecutive output rows n0.. of w, all MR * NR dot products
- * accumulated in registers (independent accumulators, so the FMAs do not wait on each other). Called
- * with constant MR and NR, so after inlining each (MR, NR) is its own unrolled loop nest. */
-static inline __attribute__((always_inline)) void tile(const int MR, const int NR, const int8_t *xq, const float *xd,
+/* One tile: MR rows of x (quantized) against the 8 output rows of tile t, lane r of each
+ * accumulator one output. Per output the same operations in the same order whatever MR and t
+ * (exact integer block dots; over blocks acc = fma(dot, s * d, acc); over groups
+ * zacc = fma(zoff, xs, zacc); y = acc + zacc), so a row's result does not depend on the other rows,
+ * the tile or the thread count. Called with a constant MR, so each is its own unrolled loop nest.
+ * scale and zoff are unused: they are inside w. */
+#define TILE_ROWS 8
+static inline __attribute__((always_inline)) void tile(const int MR, const int8_t *xq, const float *xd,
                                                        const float *xs, int64_t K, int64_t N, const uint8_t *w,
-                                                       const float *scale, const float *zoff, int64_t G, int64_t n0,
+                                                       const float *scale, const float *zoff, int64_t G, int64_t t,
                                                        float *y) {
     const int64_t nb = K / QK, ng = K / G, bpg = G / QK;
-    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const int64_t group_bytes = 2 * TILE_ROWS * (int64_t)sizeof(float) + bpg * (TILE_ROWS * QK / 2);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[4][4];
-    for (int m = 0; m < MR; m++)
-        for (int r = 0; r < NR; r++) acc[m][r] = _mm256_setzero_ps();
+    const uint8_t *wt = w + t * ng * group_bytes;
+    __m256 acc[4], zacc[4];
+    for (int m = 0; m < MR; m++) acc[m] = zacc[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
-        float s[4];
-        for (int r = 0; r < NR; r++) s[r] = scale[(n0 + r) * ng + g];
+        const uint8_t *wg = wt + g * group_bytes;
+        const __m256 sv = _mm256_loadu_ps((const float *)wg), zv = _mm256_loadu_ps((const float *)wg + TILE_ROWS);
+        for (int m = 0; m < MR; m++) zacc[m] = _mm256_fmadd_ps(zv, _mm256_set1_ps(xs[m * ng + g]), zacc[m]);
         for (int64_t bi = 0; bi < bpg; bi++) {
             const int64_t b = g * bpg + bi;
-            __m256i q[4];
-            for (int r = 0; r < NR; r++) {
-                const __m128i packed = _mm_loadu_si128((const __m128i *)(w + (n0 + r) * (K / 2) + b * (QK / 2)));
-                q[r] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low4), _mm_and_si128(packed, low4));
+            const uint8_t *wb = wg + 2 * TILE_ROWS * sizeof(float) + bi * (TILE_ROWS * QK / 2);
+            __m256i s16[4];
+            for (int m = 0; m < MR; m++) s16[m] = _mm256_setzero_si256();
+            for (int L = 0; L < 4; L++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 32 * L));
+                const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                for (int m = 0; m < MR; m++) {
+                    const int8_t *xb = xq + m * K + b * QK;
+                    int32_t xl, xh;
+                    memcpy(&xl, xb + 4 * L, 4);
+                    memcpy(&xh, xb + 16 + 4 * L, 4);
+                    const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl));
+                    const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh));
+                    s16[m] = _mm256_add_epi16(s16[m], _mm256_add_epi16(pl, ph));
+                }
             }
             for (int m = 0; m < MR; m++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + b * QK));
-                const float d = xd[m * nb + b];
-                for (int r = 0; r < NR; r++) {
-                    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], xv), ones);
-                    acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[r] * d), acc[m][r]);
-                }
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[m], ones));
+                acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sv, _mm256_set1_ps(xd[m * nb + b])), acc[m]);
             }
         }
     }
-    for (int m = 0; m < MR; m++)
-        for (int r = 0; r < NR; r++) {
-            float zero_term = 0.0f;
-            for (int64_t g = 0; g < ng; g++) zero_term += zoff[(n0 + r) * ng + g] * xs[m * ng + g];
-            y[m * N + n0 + r] = hsum256(acc[m][r]) + zero_term;
+    const int64_t n0 = t * TILE_ROWS, valid = N - n0 < TILE_ROWS ? N - n0 : TILE_ROWS;
+    for (int m = 0; m < MR; m++) {
+        const __m256 out = _mm256_add_ps(acc[m], zacc[m]);
+        if (valid == TILE_ROWS) {
+            _mm256_storeu_ps(y + m * N + n0, out);
+        } else {  /* the last tile of an N that is not a multiple of 8: its padding rows are dropped */
+            float tmp[TILE_ROWS];
+            _mm256_storeu_ps(tmp, out);
+            memcpy(y + m * N + n0, tmp, sizeof(float) * (size_t)valid);
         }
+    }
 }
 
 /* y [M, N] = x [M, K] @ w.T for M <= MAX_ROWS (4 here), given x quantized (xq, xd, xs); one per weight type. */
 typedef void (*rows_fn)(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, int64_t N,
                         const void *w, const float *scale, const float *zoff, int64_t G, float *y, int nthreads);
 
-/* rows_fn for 4-bit w [N, K/2]; scale, zoff: [N, K/G] (zoff = -scale * zero). */
+/* rows_fn for 4-bit w (pack_int4's tiles, scales and zero offsets inside). */
 static void gemv_rows(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, int64_t N,
                       const void *w, const float *scale, const float *zoff, int64_t G, float *y, int nthreads) {
-    const int NR = M <= 2 ? 4 : 2;
-    const int64_t tiles = N / NR;
+    const int64_t tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * NR;
-        switch (M * 10 + NR) {
-        case 14: tile(1, 4, xq, xd, xs, K, N, w, scale, zoff, G, n0, y); break;
-        case 24: tile(2, 4, xq, xd, xs, K, N, w, scale, zoff, G, n0, y); break;
-        case 32: tile(3, 2, xq, xd, xs, K, N, w, scale, zoff, G, n0, y); break;
-        default: tile(4, 2, xq, xd, xs, K, N, w, scale, zoff, G, n0, y); break;
+        switch (M) {
+        case 1: tile(1, xq, xd, xs, K, N, w, scale, zoff, G, t, y); break;
+        case 2: tile(2, xq, xd, xs, K, N, w, scale, zoff, G, t, y); break;
+        case 3: tile(3, xq, xd, xs, K, N, w, scale, zoff, G, t, y); break;
+        default: tile(4, xq, xd, xs, K, N, w, scale, zoff, G, t, y); break;
         }
     }
-    for (int64_t n0 = tiles * NR; n0 < N; n0++) /* the last N % NR outputs, one at a time */
-        for (int64_t m = 0; m < M; m++)
-            tile(1, 1, xq + m * K, xd + m * (K / QK), xs + m * (K / G), K, N, w, scale, zoff, G, n0, y + m * N);
 }
 
-/* The int8 counterpart of tile(): w [N, K] int8 with one scale per output row (w = scale_n * q),
+/* The int8 weights' tile: w [N, K] int8 with one scale per output row (w = scale_n * q),
  * signed x signed through the sign trick (|q| unsigned times x with q's sign), as llama.cpp's Q8_0. */
 static inline __attribute__((always_inline)) void tile8(const int MR, const int NR, const int8_t *xq, const float *xd,
                                                         int64_t K, int64_t N, const int8_t *w, const float *scale,
@@ -195,10 +220,10 @@ static int gemm(rows_fn rows, const float *x, int64_t M, int64_t K, int64_t N, c
     return 0;
 }
 
-/* 4-bit weights [N, K/2] (pack_int4's layout), scale and zoff [N, K/G]: any M. */
-int quantkit_int4_gemm(const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *w, const float *scale,
-                       const float *zoff, int64_t G, float *y, int nthreads) {
-    return gemm(gemv_rows, x, M, K, N, w, scale, zoff, G, y, nthreads);
+/* 4-bit weights in pack_int4's tiles (their scales and zero offsets inside): any M. */
+int quantkit_int4_gemm(const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *w, int64_t G, float *y,
+                       int nthreads) {
+    return gemm(gemv_rows, x, M, K, N, w, NULL, NULL, G, y, nthreads);
 }
 
 /* int8 weights [N, K] with one scale per row: any M. K % 32 == 0. */

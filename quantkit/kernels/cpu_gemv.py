@@ -30,11 +30,28 @@ SOURCE = Path(__file__).with_name("cpu_gemv.c")
 BLOCK = 32  # activation block, and the granularity group sizes must respect
 
 
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """[N, K] codes 0..15 -> [N, K/2] bytes: in each block of 32, byte j = code j | code (j + 16) << 4."""
+TILE_ROWS = 8  # output rows the kernel takes at once (lane r of a vector = row r of the tile)
+
+
+def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """4-bit codes [N, K] (0..15) with per-group scales and zero points [N, K/G] -> cpu_gemv.c's weight
+    stream, bytes [ceil(N/8), K/G, 64 + (G/32) * 128]: per tile of 8 rows (N padded with zero rows) and
+    group, the rows' scales and zero offsets -scale * zero (8 + 8 fp32), then per block b of 32 inputs
+    and vector L the bytes (r, i) = code[r, 32b + 4L + i] | code[r, 32b + 16 + 4L + i] << 4."""
     n, k = codes.shape
-    blocks = codes.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    groups, blocks = k // group_size, group_size // BLOCK
+    rows = -(-n // TILE_ROWS) * TILE_ROWS
+    c = torch.zeros(rows, k, dtype=torch.uint8)
+    c[:n] = codes.to(torch.uint8)
+    c = c.reshape(rows // TILE_ROWS, TILE_ROWS, groups, blocks, 2, 4, 4)  # [tile, r, g, block, half, L, i]
+    nibbles = (c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)).permute(0, 2, 3, 4, 1, 5)  # [tile, g, block, L, r, i]
+    sz = torch.zeros(rows, groups, 2, dtype=torch.float32)
+    sz[:n, :, 0] = scales.float()
+    sz[:n, :, 1] = -scales.float() * zeros.float()
+    sz = sz.reshape(rows // TILE_ROWS, TILE_ROWS, groups, 2).permute(0, 2, 3, 1)  # [tile, g, scale|zoff, r]
+    head = sz.contiguous().view(torch.uint8).reshape(rows // TILE_ROWS, groups, 2 * TILE_ROWS * 4)
+    body = nibbles.reshape(rows // TILE_ROWS, groups, blocks * 4 * TILE_ROWS * 4)
+    return torch.cat([head, body], dim=-1).contiguous()
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,14 +119,11 @@ class Int4Gemv(_Gemv):
         if k % group_size or group_size % BLOCK:
             raise ValueError(f"needs a group size that is a multiple of {BLOCK} and divides {k}, not {group_size}")
         self.n, self.k, self.group_size = n, k, group_size
-        self.weight = pack_int4(codes)
-        self.scale = scales.float().contiguous()
-        self.zoff = (-scales.float() * zeros.float()).contiguous()
+        self.weight = pack_int4(codes, scales, zeros, group_size)
         self._fn = lib.quantkit_int4_gemm
 
     def _launch(self, x_ptr: int, m: int, y_ptr: int, threads: int) -> int:
-        return self._fn(x_ptr, m, self.k, self.n, self.weight.data_ptr(), self.scale.data_ptr(),
-                        self.zoff.data_ptr(), self.group_size, y_ptr, threads)
+        return self._fn(x_ptr, m, self.k, self.n, self.weight.data_ptr(), self.group_size, y_ptr, threads)
 
 
 class Int8Gemv(_Gemv):
@@ -179,7 +193,7 @@ class CpuGemvKernels:
         if lib is None:
             return
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.quantkit_int4_gemm.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
+        lib.quantkit_int4_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_int]
         lib.quantkit_int4_gemm.restype = ctypes.c_int
         lib.quantkit_int8_gemm.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
         lib.quantkit_int8_gemm.restype = ctypes.c_int

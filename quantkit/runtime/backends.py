@@ -160,7 +160,7 @@ def _int4_decode_plan(qw: QuantizedWeight, codes: torch.Tensor, gs: int, device:
 def _int4_plan(qw: QuantizedWeight, device: torch.device, decode_kernel: bool = True) -> tuple[Callable, Optional[object]]:
     """PyTorch's packed int4 kernel (activations rounded to bf16), and for a few rows, where it builds
     and the groups allow, kernels.cpu_gemv's (activations quantized to int8 per 32, llama.cpp's
-    arithmetic; 2.0-2.4x faster at one row on the demo's shapes, scripts/bench_cpu_gemv.py). Output: bf16
+    arithmetic; 2.7-6.0x faster at one row on the demo's shapes, scripts/bench_cpu_gemv.py). Output: bf16
     from the first, fp32 from the second. Returns (matmul, the decode kernel where it takes the input
     columns as they come, i.e. no act-order permutation, else None)."""
     n, k = qw.qweight.shape
