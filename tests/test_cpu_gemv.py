@@ -72,6 +72,11 @@ def test_pack_int4_streams_each_tile_of_8_rows_group_by_group():
                             assert (byte & 0xF, byte >> 4) == (int(codes[row, col]), int(codes[row, col + 16]))
 
 
+def test_pack_int4_refuses_codes_outside_4_bits():
+    with pytest.raises(ValueError, match="0..15"):
+        cpu_gemv.pack_int4(torch.full((8, 32), 16, dtype=torch.int32), torch.ones(8, 1), torch.zeros(8, 1), 32)
+
+
 @pytest.mark.parametrize("n,k,gs,sym", [(96, 256, 32, False), (64, 576, 64, True), (37, 384, 128, False),
                                         (48, 1536, -1, False), (50, 192, 64, False)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 17])

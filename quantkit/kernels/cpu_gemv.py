@@ -39,6 +39,8 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, gr
     group, the rows' scales and zero offsets -scale * zero (8 + 8 fp32), then per block b of 32 inputs
     and vector L the bytes (r, i) = code[r, 32b + 4L + i] | code[r, 32b + 16 + 4L + i] << 4."""
     n, k = codes.shape
+    if codes.numel() and not (0 <= int(codes.min()) and int(codes.max()) <= 15):
+        raise ValueError("4-bit codes must lie in 0..15 (the kernel's exact int16 block sums rely on it)")
     groups, blocks = k // group_size, group_size // BLOCK
     rows = -(-n // TILE_ROWS) * TILE_ROWS
     c = torch.zeros(rows, k, dtype=torch.uint8)
