@@ -218,8 +218,7 @@ def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, see
                       top_k=top_k, seed=seed, stream=stream, backend=backend, kv_cache_dtype=kv_cache_dtype,
                       block_size=block_size, dtype=dtype, device=device, draft=draft,
                       num_speculative_tokens=num_speculative_tokens, draft_dtype=draft_dtype, lm_head_quant=lm_head_quant,
-                      draft_lm_head_quant=draft_lm_head_quant,
-                  draft_confidence=draft_confidence)
+                      draft_lm_head_quant=draft_lm_head_quant, draft_confidence=draft_confidence)
     if as_json:
         click.echo(json.dumps(r, default=str))
     else:

@@ -54,6 +54,7 @@ QUOTE_PROMPT = ("Extract every sentence that mentions a date from the text below
                 "12 January 1958 and was rebuilt by 1961. Today the museum welcomes about 200,000 visitors "
                 "a year, most of them in summer. A new hall for electric trains opened on 1 June 2009.")
 
+NAME_WIDTH = 34  # the table's row-name column: "draft, k=8 conf=0.3 (free)" and the like fit
 
 def chat_ids(tok, prompt: str) -> list[int]:
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
             "draft alone (free)": (engine(draft, lm_head_quant=head), free)}
     for k in ks:
         rows[f"draft, k={k} (free)"] = (engine(target, draft=draft, num_speculative_tokens=k, draft_tokenizer=tok,
-                                                   draft_lm_head_quant=head), free)
+                                               draft_lm_head_quant=head), free)
     confidence_rows = [(int(k), float(t)) for k, t in (r.split(":") for r in args.confidence_rows.split(",") if r)]
     for k, threshold in confidence_rows:
         rows[f"draft, k={k} conf={threshold:g} (free)"] = (
@@ -182,7 +183,7 @@ def report(runs: dict, ks: list[int], args, draft_path, tok, free_len: int, quot
           f"({med([r['step_ms'] for r in base['free']]):.1f} ms/step); draft alone: "
           f"{med([r['decode_tokens_per_s'] for r in runs['draft alone (free)']]):.1f} tok/s; "
           f"c = {c:.3f} (rounds: {' '.join(f'{x:.3f}' for x in c_rounds)})")
-    head = f"{'':26s} {'tok/s':>7s} {'accept':>7s} {'alpha':>6s} {'tok/step':>8s} {'verify/tgt':>10s} " \
+    head = f"{'':{NAME_WIDTH}s} {'tok/s':>7s} {'accept':>7s} {'alpha':>6s} {'tok/step':>8s} {'verify/tgt':>10s} " \
            f"{'draft/tgt':>9s} {'predicted':>9s} {'accounted':>9s} {'measured':>8s}  per-round speed-ups   same tokens"
     print(head)
     table = {"c": c, "c_rounds": c_rounds, "rows": {}}
@@ -210,7 +211,7 @@ def report(runs: dict, ks: list[int], args, draft_path, tok, free_len: int, quot
                "accounted": tps / (med(drafting) + med(verify)), "measured": med(ups), "speedups": ups,
                "same_tokens": same}
         table["rows"][name] = row
-        print(f"{name:34s} {row['decode_tokens_per_s']:7.1f} {row['acceptance_rate']:7.3f} {alpha:6.3f} {tps:8.2f} "
+        print(f"{name:{NAME_WIDTH}s} {row['decode_tokens_per_s']:7.1f} {row['acceptance_rate']:7.3f} {alpha:6.3f} {tps:8.2f} "
               f"{row['verify_over_target_step']:10.2f} {row['draft_over_target_step']:9.2f} {pred:8.2f}x "
               f"{row['accounted']:8.2f}x {row['measured']:7.2f}x  "
               + " ".join(f"{x:4.2f}x" for x in ups) + f"   {'yes' if same else 'NO'}")

@@ -138,6 +138,19 @@ def noisy_copy(model, noise: float, seed: int = 1):
     return draft
 
 
+def record_proposals(proposer) -> list[tuple[list[int], int, list[int]]]:
+    """Wrap ``proposer.propose`` to log (the sequence's tokens, its budget, the proposal) for every
+    sequence of every step; returns the (growing) log."""
+    log, propose = [], proposer.propose
+
+    def record(seqs, budgets):
+        out = propose(seqs, budgets)
+        log.extend((list(s.token_ids), k, d) for s, k, d in zip(seqs, budgets, out.tokens))
+        return out
+    proposer.propose = record
+    return log
+
+
 def test_draft_model_proposals_are_its_own_greedy_continuations():
     """Every proposal equals the draft model's own greedy continuation (transformers generate) of
     the sequence so far: after a fresh prefill, and after catch-up steps of one token (a rejection)
@@ -146,14 +159,9 @@ def test_draft_model_proposals_are_its_own_greedy_continuations():
     draft = noisy_copy(target, 0.05)
     eng = LLMEngine(target, block_size=4, num_kv_blocks=40, draft=draft, num_speculative_tokens=3)
     proposer = eng.speculative.proposer
-    seen, propose = [], proposer.propose
-
-    def record(seqs, budgets):
-        out = propose(seqs, budgets)
-        seen.extend((list(s.token_ids), d) for s, d in zip(seqs, out.tokens) if d)
-        return out
-    proposer.propose = record
+    log = record_proposals(proposer)
     eng.generate(prompts(2, [6, 11], seed=3), greedy(16))
+    seen = [(context, proposal) for context, _, proposal in log if proposal]
     assert len(seen) > 8
     for context, proposal in seen:
         assert proposal == hf_greedy(draft, context, len(proposal))
@@ -202,16 +210,10 @@ def test_draft_confidence_stops_drafting_where_the_draft_is_unsure():
     threshold = 0.03  # the random tiny model's top probabilities (0.02-0.08) straddle it
     eng = LLMEngine(target, block_size=4, num_kv_blocks=40, draft=draft, num_speculative_tokens=4,
                     draft_confidence=threshold)
-    seen, propose = [], eng.speculative.proposer.propose
-
-    def record(seqs, budgets):
-        out = propose(seqs, budgets)
-        seen.extend((list(s.token_ids), k, d) for s, k, d in zip(seqs, budgets, out.tokens) if k)
-        return out
-    eng.speculative.proposer.propose = record
+    log = record_proposals(eng.speculative.proposer)
     assert [g["token_ids"] for g in eng.generate(ps, greedy(16))] == want
     cut = full = 0
-    for context, budget, proposal in seen:
+    for context, budget, proposal in (entry for entry in log if entry[1]):
         with torch.no_grad():
             logits = draft(torch.tensor([context + proposal])).logits[0, len(context) - 1:]
         top = torch.softmax(logits.double(), -1).amax(-1)[:len(proposal)].tolist()
@@ -346,15 +348,10 @@ def test_speculative_sampling_through_the_engine_follows_the_target(monkeypatch,
     if draft_head:  # the draft's distributions really are cut to the shortlist
         q = eng.speculative.proposer.runner.head(torch.randn(4, cfg.hidden_size))
         assert bool((torch.isfinite(q).sum(-1) == 3).all())
-    lengths, propose = [], eng.speculative.proposer.propose  # (budget, proposed) per sequence-step
-
-    def record(seqs, budgets):
-        out = propose(seqs, budgets)
-        lengths.extend(zip(budgets, map(len, out.tokens)))
-        return out
-    eng.speculative.proposer.propose = record
+    log = record_proposals(eng.speculative.proposer)
     torch.manual_seed(0)
     outs = eng.generate([prompt] * n, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
+    lengths = [(budget, len(proposal)) for _, budget, proposal in log]  # per sequence-step
     m = eng.get_metrics()
     assert 0.2 < m["acceptance_rate"] < 0.9, m["acceptance_rate"]
     stopped = sum(length < budget for budget, length in lengths)

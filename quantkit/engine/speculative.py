@@ -63,10 +63,9 @@ def make_proposer(draft, runner: ModelRunner, num_speculative_tokens: int, max_n
     """``"ngram"``, a proposer object, or a draft model (run with a KV pool of the target's block count
     plus room for every sequence's draft tokens; ``draft_confidence``: DraftModelProposer's
     ``min_confidence``, a draft model's only)."""
-    if isinstance(draft, str) or hasattr(draft, "propose"):
-        if draft_confidence:
-            raise QuantkitError(f"draft_confidence {draft_confidence} needs a draft model (it reads the draft's "
-                                "probabilities); leave it at 0 with an n-gram or custom proposer")
+    if draft_confidence and (isinstance(draft, str) or hasattr(draft, "propose")):
+        raise QuantkitError(f"draft_confidence {draft_confidence} needs a draft model (it reads the draft's "
+                            "probabilities); leave it at 0 with an n-gram or custom proposer")
     if isinstance(draft, str):
         if draft.strip().lower() != "ngram":
             raise QuantkitError(f"draft {draft!r} is not a model; pass a loaded model, a path through the CLI/API, "

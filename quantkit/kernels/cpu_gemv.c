@@ -76,13 +76,11 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t G, int8_
  * accumulator one output. Per output the same operations in the same order whatever MR and t
  * (exact integer block dots; over blocks acc = fma(dot, s * d, acc); over groups
  * zacc = fma(zoff, xs, zacc); y = acc + zacc), so a row's result does not depend on the other rows,
- * the tile or the thread count. Called with a constant MR, so each is its own unrolled loop nest.
- * scale and zoff are unused: they are inside w. */
+ * the tile or the thread count. Called with a constant MR, so each is its own unrolled loop nest. */
 #define TILE_ROWS 8
 static inline __attribute__((always_inline)) void tile(const int MR, const int8_t *xq, const float *xd,
                                                        const float *xs, int64_t K, int64_t N, const uint8_t *w,
-                                                       const float *scale, const float *zoff, int64_t G, int64_t t,
-                                                       float *y) {
+                                                       int64_t G, int64_t t, float *y) {
     const int64_t nb = K / QK, ng = K / G, bpg = G / QK;
     const int64_t group_bytes = 2 * TILE_ROWS * (int64_t)sizeof(float) + bpg * (TILE_ROWS * QK / 2);
     const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -135,17 +133,18 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int8_
 typedef void (*rows_fn)(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, int64_t N,
                         const void *w, const float *scale, const float *zoff, int64_t G, float *y, int nthreads);
 
-/* rows_fn for 4-bit w (pack_int4's tiles, scales and zero offsets inside). */
+/* rows_fn for 4-bit w (pack_int4's tiles, scales and zero offsets inside: scale and zoff unused). */
 static void gemv_rows(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K, int64_t N,
                       const void *w, const float *scale, const float *zoff, int64_t G, float *y, int nthreads) {
+    (void)scale; (void)zoff;
     const int64_t tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         switch (M) {
-        case 1: tile(1, xq, xd, xs, K, N, w, scale, zoff, G, t, y); break;
-        case 2: tile(2, xq, xd, xs, K, N, w, scale, zoff, G, t, y); break;
-        case 3: tile(3, xq, xd, xs, K, N, w, scale, zoff, G, t, y); break;
-        default: tile(4, xq, xd, xs, K, N, w, scale, zoff, G, t, y); break;
+        case 1: tile(1, xq, xd, xs, K, N, w, G, t, y); break;
+        case 2: tile(2, xq, xd, xs, K, N, w, G, t, y); break;
+        case 3: tile(3, xq, xd, xs, K, N, w, G, t, y); break;
+        default: tile(4, xq, xd, xs, K, N, w, G, t, y); break;
         }
     }
 }
