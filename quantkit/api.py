@@ -433,6 +433,8 @@ def _record_quality(output: Path, source_model: str, plan, device: Optional[str]
     if baseline is not None:
         metrics.update({"original model's perplexity": round(r["baseline_perplexity"], 4),
                         "KL divergence to the original (mean per token)": round(r["kl_mean"], 5),
+                        **({"its standard error over windows": round(r["kl_mean_stderr"], 5)}
+                           if r["kl_mean_stderr"] is not None else {}),
                         "KL divergence to the original (99th percentile)": round(r["kl_p99"], 5),
                         "top-1 agreement with the original": round(r["top1_agreement"], 5)})
     append_card_metrics(output, metrics)

@@ -162,10 +162,16 @@ def eval_cmd(model, baseline, dataset, seq_len, max_windows, backend, dtype, dev
                      baseline_cache=baseline_cache)
     human = f"perplexity {r['perplexity']:.4f} over {r['tokens']} tokens ({r['windows']} windows)"
     if r.get("baseline_perplexity"):
-        human += (f"; baseline {r['baseline_perplexity']:.4f}; ratio {r['ratio']:.4f}\n"
-                  f"KL divergence to the baseline: mean {r['kl_mean']:.5f}, p99 {r['kl_p99']:.5f}; "
-                  f"top-1 agreement {100 * r['top1_agreement']:.2f} %")
+        human += (f"; baseline {r['baseline_perplexity']:.4f}; ratio {r['ratio']:.4f}"
+                  f"{_stderr(r['ln_ppl_ratio_stderr'], 'ln ratio')}\n"
+                  f"KL divergence to the baseline: mean {r['kl_mean']:.5f}{_stderr(r['kl_mean_stderr'])}, "
+                  f"p99 {r['kl_p99']:.5f}; top-1 agreement {100 * r['top1_agreement']:.2f} %")
     _emit(r, as_json, human)
+
+
+def _stderr(value, of: str = "") -> str:
+    """' (+-x, standard error over windows)' for the human eval line; nothing with a single window."""
+    return "" if value is None else f" (±{value:.5f}{' in ' + of if of else ''}, standard error over windows)"
 
 
 def _speculative_options(command):

@@ -8,6 +8,11 @@ positions that predict a next token are the scored tokens of that window.
   log p_model(v)), reported as its mean and 99th percentile, with top-1 agreement (the share of tokens whose
   most likely next token is the same). This is llama.cpp's `perplexity --kl-divergence` measure: paired token
   by token, it sees differences that perplexity over the same text hides in its run-to-run noise.
+- How sure those means are: the standard error of the mean KL and of ln(PPL(model) / PPL(baseline)) (the
+  mean per-token NLL difference, paired), over windows. The windows are the independent units: tokens of
+  one window share their context, so a per-token error (llama.cpp's) would claim more certainty than the
+  text holds. Two models scored on the same windows differ by more than noise in these terms only when
+  their difference is several of these errors.
 """
 from __future__ import annotations
 
@@ -88,20 +93,44 @@ class Comparison:
     baseline_nll: float = 0.0
     agree: int = 0
     kl: list = field(default_factory=list)  # per-token KL values, one tensor per chunk
+    nll_gap: list = field(default_factory=list)  # per-token NLL(model) - NLL(baseline), one tensor per chunk
 
     def add(self, lp_model: torch.Tensor, lp_base: torch.Tensor, targets: torch.Tensor) -> None:
         """One chunk of scored tokens: log-probabilities [rows, V] of both models and the true next tokens."""
         self.kl.append((lp_base.exp() * (lp_base - lp_model)).sum(-1).cpu())
         self.agree += int((lp_model.argmax(-1) == lp_base.argmax(-1)).sum())
-        self.nll -= float(lp_model.gather(1, targets[:, None]).sum())
-        self.baseline_nll -= float(lp_base.gather(1, targets[:, None]).sum())
+        nll_model, nll_base = -lp_model.gather(1, targets[:, None]), -lp_base.gather(1, targets[:, None])
+        self.nll += float(nll_model.sum())
+        self.baseline_nll += float(nll_base.sum())
+        self.nll_gap.append((nll_model - nll_base).squeeze(1).double().cpu())
 
-    def summary(self) -> dict:
+    def summary(self, window_tokens: int) -> dict:
+        """The totals; standard errors over windows of `window_tokens` scored tokens (the chunks' order)."""
         kl = torch.cat(self.kl).double()
         n = kl.numel()
+        kl_w, gap_w = window_means(kl, window_tokens), window_means(torch.cat(self.nll_gap), window_tokens)
         return {"perplexity": finite_perplexity(self.nll, n), "baseline_perplexity": finite_perplexity(self.baseline_nll, n),
                 "kl_mean": float(kl.mean()), "kl_p99": float(torch.quantile(kl, 0.99)),
-                "top1_agreement": self.agree / n, "tokens": n}
+                "kl_mean_stderr": stderr(kl_w), "ln_ppl_ratio": float(gap_w.mean()), "ln_ppl_ratio_stderr": stderr(gap_w),
+                "top1_agreement": self.agree / n, "tokens": n,
+                # per window, for paired comparisons of two models scored on the same windows
+                "window_kl": kl_w.tolist(), "window_ln_ppl_ratio": gap_w.tolist()}
+
+
+def window_means(values: torch.Tensor, window_tokens: int) -> torch.Tensor:
+    """Per-token `values` of whole windows (in order) -> one mean per window."""
+    if values.numel() % window_tokens:
+        raise ValueError(f"{values.numel()} scored tokens are not whole windows of {window_tokens}")
+    return values.double().reshape(-1, window_tokens).mean(1)
+
+
+def stderr(window_values) -> Optional[float]:
+    """Standard error of the mean over windows: their spread / sqrt(windows). None for a single window.
+    For a paired comparison pass the per-window differences of two models."""
+    v = torch.as_tensor(window_values, dtype=torch.float64)
+    if v.numel() < 2:
+        return None
+    return float(v.std(unbiased=True) / math.sqrt(v.numel()))
 
 
 @torch.no_grad()
@@ -124,4 +153,4 @@ def compare(model_logits: Callable[[torch.Tensor], torch.Tensor], baseline_logit
             part = slice(row, row + COMPARE_ROWS)
             acc.add(F.log_softmax(ours[part].float(), -1), F.log_softmax(base[part].float().to(ours.device), -1),
                     targets[part].to(ours.device))
-    return acc.summary()
+    return acc.summary(windows.shape[1] - 1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -25,6 +26,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_quantize import quantkit_cli, run, write_calibration_ids  # noqa: E402
+
+from quantkit.scoring import stderr  # noqa: E402
 
 # quantkit rows: name -> quantize flags (beyond model, bits, group size, calibration)
 QUANTKIT_ROWS = {
@@ -120,8 +123,32 @@ def score_rows(args, rows: list[dict]) -> None:
             r, _ = run(quantkit_cli("eval", "--model", row["path"], "--baseline", args.model, "--dataset", dataset,
                                     "--backend", args.backend, "--json",
                                     *(["--max-windows", str(windows)] if windows else [])))
-            row[dataset] = {k: r[k] for k in ("kl_mean", "kl_p99", "top1_agreement", "perplexity", "baseline_perplexity",
-                                              "tokens")}
+            row[dataset] = {k: r[k] for k in ("kl_mean", "kl_mean_stderr", "kl_p99", "top1_agreement", "perplexity",
+                                              "baseline_perplexity", "ln_ppl_ratio_stderr", "tokens", "window_kl",
+                                              "window_ln_ppl_ratio")}
+
+
+def print_paired(rows: list[dict], against: str) -> None:
+    """Each row minus row `against`, window by window on the same held-out windows: the mean difference
+    of KL and of ln perplexity (as a perplexity ratio, %) with its paired standard error. A difference
+    within about two of its errors is not one the held-out text can tell apart."""
+    ref = next((r for r in rows if r["row"] == against), None)
+    if ref is None:
+        print(f"--paired: no row named {against!r} in this run")
+        return
+    print(f"paired against '{against}' (mean difference per window +- its standard error over windows):")
+    for r in rows:
+        if r is ref:
+            continue
+        parts = []
+        for dataset in ("lee", "wiki"):
+            a, b = r[dataset], ref[dataset]
+            kl = [x - y for x, y in zip(a["window_kl"], b["window_kl"])]
+            ln = [x - y for x, y in zip(a["window_ln_ppl_ratio"], b["window_ln_ppl_ratio"])]
+            dkl, dln = sum(kl) / len(kl), sum(ln) / len(ln)
+            parts.append(f"{dataset}: KL {dkl:+.4f} +- {stderr(kl):.4f}, ppl {100 * math.expm1(dln):+.2f} % "
+                         f"+- {100 * stderr(ln):.2f} ({len(kl)} windows)")
+        print(f"  {r['row']:20} " + "; ".join(parts))
 
 
 def print_table(rows: list[dict]) -> None:
@@ -158,6 +185,9 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true",
                     help="rows already quantized in this workdir are scored again, not re-quantized (their time and "
                          "RSS are those measured then, marked with *)")
+    ap.add_argument("--paired", default=None, metavar="ROW",
+                    help="also print every row's KL and perplexity difference to this row, window by window, with "
+                         "its paired standard error")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.rows = set(r.strip() for r in args.rows.split(",")) if args.rows else None
@@ -172,6 +202,8 @@ def main() -> None:
           f"scheme w4g64 symmetric unless the row says asym; scored with --backend {args.backend}; "
           f"{time.perf_counter() - t0:.0f} s in all")
     print_table(rows)
+    if args.paired:
+        print_paired(rows, args.paired)
     if args.json:
         print(json.dumps({"rows": rows}))
 

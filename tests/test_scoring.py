@@ -56,15 +56,25 @@ def oracle(base_dir, model_dir, stream: torch.Tensor) -> dict:
     kl = (base.exp() * (base - ours)).sum(-1).flatten().numpy()
     targets = windows[:, 1:]
     nll = lambda lp: -lp.gather(-1, targets[..., None]).mean().item()  # noqa: E731
+    # per window: mean KL and mean NLL gap; their standard errors over the windows
+    gap = (base - ours).gather(-1, targets[..., None]).squeeze(-1).numpy()  # NLL(model) - NLL(baseline)
+    kl_w, gap_w = kl.reshape(windows.shape[0], -1).mean(1), gap.mean(1)
+    stderr = lambda v: np.std(v, ddof=1) / np.sqrt(v.size)  # noqa: E731
     return {"kl_mean": kl.mean(), "kl_p99": np.percentile(kl, 99),
             "top1_agreement": (base.argmax(-1) == ours.argmax(-1)).double().mean().item(),
-            "perplexity": np.exp(nll(ours)), "baseline_perplexity": np.exp(nll(base)), "tokens": kl.size}
+            "perplexity": np.exp(nll(ours)), "baseline_perplexity": np.exp(nll(base)), "tokens": kl.size,
+            "kl_mean_stderr": stderr(kl_w), "ln_ppl_ratio": gap.mean(), "ln_ppl_ratio_stderr": stderr(gap_w),
+            "window_kl": kl_w, "window_ln_ppl_ratio": gap_w}
 
 
 def check(result: dict, expected: dict) -> None:
     assert result["tokens"] == expected["tokens"]
-    for key in ("kl_mean", "kl_p99", "perplexity", "baseline_perplexity"):
+    for key in ("kl_mean", "kl_p99", "perplexity", "baseline_perplexity", "kl_mean_stderr", "ln_ppl_ratio",
+                "ln_ppl_ratio_stderr"):
         assert result[key] == pytest.approx(expected[key], rel=1e-4), key
+    assert result["ln_ppl_ratio"] == pytest.approx(np.log(result["perplexity"] / result["baseline_perplexity"]), rel=1e-6)
+    for key in ("window_kl", "window_ln_ppl_ratio"):
+        np.testing.assert_allclose(result[key], expected[key], rtol=1e-4, atol=1e-7, err_msg=key)
     assert result["top1_agreement"] == pytest.approx(expected["top1_agreement"], abs=1e-9)
 
 
