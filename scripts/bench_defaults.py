@@ -56,6 +56,11 @@ VARIANTS = {
     "awq-token-clip-2048": ("awq", {"token_search_tokens": 4096, "clip_search_tokens": 2048}, {}, {}),
     # only the attention block's scale search on 4x more sequences (the token-wise searches as default)
     "awq-attention-sample": ("awq", {"max_search_tokens": 8192}, {}, {}),
+    # the clip search refined toward each row's whole output error (cross terms between groups), on the
+    # default clip sample and on 4x it (the search runs from X^T X, so the sample costs one product)
+    "awq-clip-output": ("awq", {"clip_objective": "output"}, {}, {}),
+    "awq-clip-output-4096": ("awq", {"clip_objective": "output", "clip_search_tokens": 4096}, {}, {}),
+    "awq-clip-4096": ("awq", {"clip_search_tokens": 4096}, {}, {}),
     "awq-gptq": ("awq,gptq", {}, {}, {}),
     # also v -> o under GQA, one scale per v row tied across the o columns it feeds (AutoAWQ skips the group)
     "awq-gqa-v-o": ("awq", {"gqa_v_o": True}, {}, {}),
@@ -106,8 +111,8 @@ def main() -> None:
                "quantize_s": round(time.perf_counter() - t0, 1), "quantize_cpu_s": round(_cpu_s() - cpu0, 1)}
         for name, windows in held_out.items():
             r = compare(logits_of(model), baselines[name], windows, batch_size=4)
-            row[name] = {k: round(r[k], 5) for k in ("kl_mean", "kl_p99", "top1_agreement", "perplexity",
-                                                      "baseline_perplexity")}
+            row[name] = {k: round(r[k], 5) for k in ("kl_mean", "kl_mean_stderr", "kl_p99", "top1_agreement",
+                                                      "perplexity", "baseline_perplexity", "ln_ppl_ratio_stderr")}
         del model
         rows.append(row)
         print(json.dumps(row), flush=True)

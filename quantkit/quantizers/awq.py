@@ -28,7 +28,10 @@ Per decoder layer, in `begin_layer` (AutoAWQ's `_search_best_scale` / `_search_b
    [min(wmin, 0), max(wmax, 0)] is shrunk by r in {1, 1 - 1/n, ..., > 1 - max_shrink}
    (AutoAWQ's grid: 1.0 ... 0.55 by default), the weights are clamped to it and fake-quantized,
    and the r with the lowest error of the group's partial output x_g . w_g on the sampled tokens
-   wins; the weights are clamped in place.
+   wins (computed from their Gram matrix X^T X: one product, then no token count in the search).
+   With ``clip_objective`` "output" each row's choice is then refined toward the error of its whole
+   output, whose cross terms between groups the per-group measure leaves out. The weights are
+   clamped in place.
 
 The recipe's weight quantizer then quantizes the scaled, clipped weights. The chosen alphas, loss curves and clip ratios are kept
 per layer in ``search_log``.
@@ -54,7 +57,8 @@ from quantkit.scheme import LinearScheme
 # clipping q/k hurts attention scores more than it saves in rounding error.
 CLIP_SKIP = ("q_", "k_", "query", "key", "wqkv", "qkv_proj")
 SCALE_EPS = 1e-4  # AutoAWQ: denominator guard and lower clamp of the scales
-_CLIP_CHUNK_ELEMS = 1 << 25  # bound on the [groups, tokens, rows] error tensor of the clip search
+_CLIP_CHUNK_ELEMS = 1 << 25  # bound on the [ratios, rows, K] candidate errors the clip search holds at once
+CLIP_OBJECTIVES = ("group", "output")
 
 
 def skips_clip(name: str) -> bool:
@@ -112,43 +116,86 @@ def clip_weight(w: torch.Tensor, ratios: torch.Tensor, group_size: int, sym: boo
     return torch.maximum(torch.minimum(wg, hi * r), lo * r).reshape(n, k).to(w.dtype)
 
 
-@torch.no_grad()
-def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: LinearScheme, n_grid: int = 20, max_shrink: float = 0.5,
-                return_errors: bool = False, sym_range: str = "exact"):
-    """Best clip ratio per (output row, group) of ``w`` [N, K] for inputs ``x`` [T, K].
-
-    The error of a ratio is mean over tokens of (x_g . (q(clip(w_g)) - w_g))^2, the squared error
-    of the group's partial output (AutoAWQ's _compute_best_clip). Ties keep the larger ratio.
-    Returns ratios [N, G] (and errors [n_ratios, N, G] when asked).
-    """
+def clip_candidates(w: torch.Tensor, scheme: LinearScheme, grid: list[float], sym_range: str) -> torch.Tensor:
+    """The rounding error d = q(clip(w, r)) - w of every ratio r of ``grid``, all groups at once: [R, N, K]."""
     n, k = w.shape
     gs = k if scheme.group_size == -1 else scheme.group_size
+    full = torch.ones((n, k // gs), device=w.device)
+    return torch.stack([fake_quantize_grouped(clip_weight(w, full * r, gs, scheme.sym), scheme, sym_range) - w
+                        for r in grid])
+
+
+def group_errors(deltas: torch.Tensor, gram: torch.Tensor, gs: int) -> torch.Tensor:
+    """Per candidate, row and group the error of the group's partial output, mean_t (x_g . d_g)^2 =
+    d_g^T H_gg d_g (H = X^T X / T): AutoAWQ's _compute_best_clip measure. deltas [R, N, K] -> [R, N, G]."""
+    r, n, k = deltas.shape
     g = k // gs
-    ratios = clip_ratios_grid(n_grid, max_shrink)
+    blocks = torch.stack([gram[j * gs:(j + 1) * gs, j * gs:(j + 1) * gs] for j in range(g)])  # [G, gs, gs]
+    d = deltas.reshape(r * n, g, gs).transpose(0, 1)  # [G, R*N, gs]
+    return (torch.bmm(d, blocks) * d).sum(-1).transpose(0, 1).reshape(r, n, g)
+
+
+def refine_on_output(deltas: torch.Tensor, own: torch.Tensor, gram: torch.Tensor, index: torch.Tensor, gs: int,
+                     sweeps: int) -> torch.Tensor:
+    """Coordinate descent of each row's whole output error over its groups' candidates.
+
+    A row's output error is mean_t (x_t . d)^2 = d^T H d, which has cross terms d_g^T H_gh d_h between
+    groups that the per-group measure leaves out (errors of opposite sign cancel, of one sign add up).
+    With the other groups fixed, candidate r of group g costs 2 d_g(r) . c + d_g(r)^T H_gg d_g(r),
+    c = (H d)_g less group g's own part; the second term is `group_errors`' ``own`` [R, N, G], fixed.
+    Every row at once, group after group; a group keeps its candidate unless another is strictly
+    better, so no row's error rises. index [N, G] is updated."""
+    r, n, k = deltas.shape
+    g = k // gs
+    rows = torch.arange(n, device=deltas.device)
+    d = deltas.reshape(r, n, g, gs)[index, rows[:, None], torch.arange(g, device=deltas.device)].reshape(n, k)
+    for _ in range(sweeps):
+        for j in range(g):
+            cols = slice(j * gs, (j + 1) * gs)
+            c = d @ gram[:, cols] - d[:, cols] @ gram[cols, cols]  # [N, gs]: the other groups' coupling to group j
+            cand = deltas[:, :, cols]  # [R, N, gs]
+            cost = 2 * (cand * c).sum(-1) + own[:, :, j]  # [R, N]
+            best_cost, best = cost.min(0)
+            take = best_cost < cost[index[:, j], rows]
+            index[:, j] = torch.where(take, best, index[:, j])
+            d[:, cols] = cand[index[:, j], rows]
+    return index
+
+
+@torch.no_grad()
+def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: LinearScheme, n_grid: int = 20, max_shrink: float = 0.5,
+                return_errors: bool = False, sym_range: str = "exact", objective: str = "group", sweeps: int = 2):
+    """Best clip ratio per (output row, group) of ``w`` [N, K] for inputs ``x`` [T, K].
+
+    objective "group" (AutoAWQ's _compute_best_clip): each (row, group) alone, by the mean over tokens
+    of (x_g . (q(clip(w_g)) - w_g))^2, the squared error of the group's partial output; ties keep the
+    larger ratio. "output": that choice refined by `refine_on_output` toward the row's whole output
+    error. Both run from H = X^T X / T (T x K x K once, then no token count in the search).
+    Returns ratios [N, G] (and the per-group errors [n_ratios, N, G] when asked).
+    """
+    if objective not in CLIP_OBJECTIVES:
+        raise QuantkitError(f"awq option clip_objective must be one of {', '.join(CLIP_OBJECTIVES)}, got {objective!r}")
+    n, k = w.shape
+    gs = k if scheme.group_size == -1 else scheme.group_size
+    grid = clip_ratios_grid(n_grid, max_shrink)
     x = x.reshape(-1, k).to(device=w.device, dtype=torch.float32)
-    t = x.shape[0]
-    xg = x.reshape(t, g, gs).permute(1, 0, 2).contiguous()  # [G, T, gs]
+    gram = (x.t() @ x) / max(1, x.shape[0])
     w = w.float()
-    best_err = torch.full((n, g), float("inf"), device=w.device)
-    best_ratio = torch.ones((n, g), device=w.device)
-    all_err = [] if return_errors else None
-    chunk = max(1, min(n, _CLIP_CHUNK_ELEMS // max(1, g * t)))
-    for r in ratios:
-        err_r = torch.empty((n, g), device=w.device)
-        for start in range(0, n, chunk):
-            wc = w[start:start + chunk]
-            rows = wc.shape[0]
-            q = fake_quantize_grouped(clip_weight(wc, torch.full((rows, g), r), gs, scheme.sym), scheme, sym_range)
-            d = (q - wc).reshape(rows, g, gs).permute(1, 2, 0)  # [G, gs, rows]
-            err_r[start:start + rows] = torch.bmm(xg, d).pow(2).mean(dim=1).t()  # [rows, G]
-        better = err_r < best_err
-        best_err = torch.where(better, err_r, best_err)
-        best_ratio = torch.where(better, torch.full_like(best_ratio, r), best_ratio)
-        if all_err is not None:
-            all_err.append(err_r)
+    index, errors = [], []
+    chunk = max(1, min(n, _CLIP_CHUNK_ELEMS // max(1, len(grid) * k)))  # rows are independent
+    for start in range(0, n, chunk):
+        deltas = clip_candidates(w[start:start + chunk], scheme, grid, sym_range)
+        err = group_errors(deltas, gram, gs)
+        best = err.argmin(0)  # the first minimum: the larger ratio wins ties
+        if objective == "output":
+            best = refine_on_output(deltas, err, gram, best, gs, sweeps)
+        index.append(best)
+        if return_errors:
+            errors.append(err)
+    ratios = torch.tensor(grid, device=w.device)[torch.cat(index)]
     if return_errors:
-        return best_ratio, torch.stack(all_err)
-    return best_ratio
+        return ratios, torch.cat(errors, dim=1)
+    return ratios
 
 
 # ----------------------------------------------------------------------------- capture
@@ -274,6 +321,9 @@ class AWQTransform(Transform):
         "clip_n_grid": 20,
         "clip_max_shrink": 0.5,  # ratios 1.0 down to (not including) 1 - max_shrink
         "clip_search_tokens": 1024,  # strided token sample for the clip error (AutoAWQ's 512: README defaults table)
+        # "output": AutoAWQ's per-(row, group) choice, then coordinate descent on each row's whole output
+        # error, cross terms between groups included (search_clip; README defaults table); "group": AutoAWQ's
+        "clip_objective": "output",
         # the symmetric grid the searches simulate and the finishing RTN rounds on (grid.SYM_RANGES):
         # AutoAWQ's absmax/7, which keeps the salient weights the scales enlarge exact
         "sym_range": "exact",
@@ -301,6 +351,9 @@ class AWQTransform(Transform):
             raise QuantkitError(f"awq option duo_scaling must be true, false or both, got {o['duo_scaling']!r}")
         if not 0 < float(o["clip_max_shrink"]) < 1:
             raise QuantkitError(f"awq option clip_max_shrink must be in (0, 1), got {o['clip_max_shrink']!r}")
+        if o["clip_objective"] not in CLIP_OBJECTIVES:
+            raise QuantkitError(f"awq option clip_objective must be one of {', '.join(CLIP_OBJECTIVES)}, "
+                                f"got {o['clip_objective']!r}")
         if not isinstance(o["gqa_v_o"], bool):
             raise QuantkitError(f"awq option gqa_v_o must be true or false, got {o['gqa_v_o']!r}")
         if o["inputs"] not in ("float", "quantized"):
@@ -348,7 +401,8 @@ class AWQTransform(Transform):
             lin = layer.get_submodule(name)
             scheme = ctx.schemes[name]
             ratios = search_clip(lin.weight.data, x, scheme, int(self.options["clip_n_grid"]),
-                                 float(self.options["clip_max_shrink"]), sym_range=self.options["sym_range"])
+                                 float(self.options["clip_max_shrink"]), sym_range=self.options["sym_range"],
+                                 objective=self.options["clip_objective"])
             with torch.no_grad():
                 lin.weight.data = clip_weight(lin.weight.data, ratios, scheme.group_size, scheme.sym)
             log["clip"][name] = ratios.cpu()
