@@ -111,8 +111,10 @@ def main() -> None:
                "quantize_s": round(time.perf_counter() - t0, 1), "quantize_cpu_s": round(_cpu_s() - cpu0, 1)}
         for name, windows in held_out.items():
             r = compare(logits_of(model), baselines[name], windows, batch_size=4)
-            row[name] = {k: round(r[k], 5) for k in ("kl_mean", "kl_mean_stderr", "kl_p99", "top1_agreement",
-                                                      "perplexity", "baseline_perplexity", "ln_ppl_ratio_stderr")}
+            # a standard error is None over a single window
+            row[name] = {k: None if r[k] is None else round(r[k], 5)
+                         for k in ("kl_mean", "kl_mean_stderr", "kl_p99", "top1_agreement", "perplexity",
+                                   "baseline_perplexity", "ln_ppl_ratio_stderr")}
         del model
         rows.append(row)
         print(json.dumps(row), flush=True)

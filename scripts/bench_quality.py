@@ -146,8 +146,10 @@ def print_paired(rows: list[dict], against: str) -> None:
             kl = [x - y for x, y in zip(a["window_kl"], b["window_kl"])]
             ln = [x - y for x, y in zip(a["window_ln_ppl_ratio"], b["window_ln_ppl_ratio"])]
             dkl, dln = sum(kl) / len(kl), sum(ln) / len(ln)
-            parts.append(f"{dataset}: KL {dkl:+.4f} +- {stderr(kl):.4f}, ppl {100 * math.expm1(dln):+.2f} % "
-                         f"+- {100 * stderr(ln):.2f} ({len(kl)} windows)")
+            se_kl, se_ln = stderr(kl), stderr(ln)  # None over a single window
+            parts.append(f"{dataset}: KL {dkl:+.4f} +- {'-' if se_kl is None else f'{se_kl:.4f}'}, ppl "
+                         f"{100 * math.expm1(dln):+.2f} % +- {'-' if se_ln is None else f'{100 * se_ln:.2f}'} "
+                         f"({len(kl)} windows)")
         print(f"  {r['row']:20} " + "; ".join(parts))
 
 

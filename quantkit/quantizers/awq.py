@@ -116,6 +116,11 @@ def clip_weight(w: torch.Tensor, ratios: torch.Tensor, group_size: int, sym: boo
     return torch.maximum(torch.minimum(wg, hi * r), lo * r).reshape(n, k).to(w.dtype)
 
 
+def check_clip_objective(objective) -> None:
+    if objective not in CLIP_OBJECTIVES:
+        raise QuantkitError(f"awq option clip_objective must be one of {', '.join(CLIP_OBJECTIVES)}, got {objective!r}")
+
+
 def clip_candidates(w: torch.Tensor, scheme: LinearScheme, grid: list[float], sym_range: str) -> torch.Tensor:
     """The rounding error d = q(clip(w, r)) - w of every ratio r of ``grid``, all groups at once: [R, N, K]."""
     n, k = w.shape
@@ -173,8 +178,7 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: LinearScheme, n_grid: 
     error. Both run from H = X^T X / T (T x K x K once, then no token count in the search).
     Returns ratios [N, G] (and the per-group errors [n_ratios, N, G] when asked).
     """
-    if objective not in CLIP_OBJECTIVES:
-        raise QuantkitError(f"awq option clip_objective must be one of {', '.join(CLIP_OBJECTIVES)}, got {objective!r}")
+    check_clip_objective(objective)
     n, k = w.shape
     gs = k if scheme.group_size == -1 else scheme.group_size
     grid = clip_ratios_grid(n_grid, max_shrink)
@@ -351,9 +355,7 @@ class AWQTransform(Transform):
             raise QuantkitError(f"awq option duo_scaling must be true, false or both, got {o['duo_scaling']!r}")
         if not 0 < float(o["clip_max_shrink"]) < 1:
             raise QuantkitError(f"awq option clip_max_shrink must be in (0, 1), got {o['clip_max_shrink']!r}")
-        if o["clip_objective"] not in CLIP_OBJECTIVES:
-            raise QuantkitError(f"awq option clip_objective must be one of {', '.join(CLIP_OBJECTIVES)}, "
-                                f"got {o['clip_objective']!r}")
+        check_clip_objective(o["clip_objective"])
         if not isinstance(o["gqa_v_o"], bool):
             raise QuantkitError(f"awq option gqa_v_o must be true or false, got {o['gqa_v_o']!r}")
         if o["inputs"] not in ("float", "quantized"):
