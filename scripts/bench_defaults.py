@@ -56,11 +56,14 @@ VARIANTS = {
     "awq-token-clip-2048": ("awq", {"token_search_tokens": 4096, "clip_search_tokens": 2048}, {}, {}),
     # only the attention block's scale search on 4x more sequences (the token-wise searches as default)
     "awq-attention-sample": ("awq", {"max_search_tokens": 8192}, {}, {}),
-    # the clip search refined toward each row's whole output error (cross terms between groups), on the
-    # default clip sample and on 4x it (the search runs from X^T X, so the sample costs one product)
-    "awq-clip-output": ("awq", {"clip_objective": "output"}, {}, {}),
+    # the clip search refined toward each row's whole output error (cross terms between groups) or AutoAWQ's
+    # per-group choice, on clip samples of 1024, 4096 (the default since 2026-12-05) and 8192 tokens (the
+    # search runs from X^T X, so a larger sample costs one product and its capture memory)
+    "awq-clip-output": ("awq", {"clip_objective": "output", "clip_search_tokens": 1024}, {}, {}),
     "awq-clip-output-4096": ("awq", {"clip_objective": "output", "clip_search_tokens": 4096}, {}, {}),
-    "awq-clip-4096": ("awq", {"clip_search_tokens": 4096}, {}, {}),
+    "awq-clip-output-8192": ("awq", {"clip_objective": "output", "clip_search_tokens": 8192}, {}, {}),
+    "awq-clip-group": ("awq", {"clip_objective": "group", "clip_search_tokens": 1024}, {}, {}),
+    "awq-clip-group-4096": ("awq", {"clip_objective": "group", "clip_search_tokens": 4096}, {}, {}),
     "awq-gptq": ("awq,gptq", {}, {}, {}),
     # also v -> o under GQA, one scale per v row tied across the o columns it feeds (AutoAWQ skips the group)
     "awq-gqa-v-o": ("awq", {"gqa_v_o": True}, {}, {}),

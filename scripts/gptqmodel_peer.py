@@ -19,8 +19,12 @@ Methods (GPTQModel's own defaults unless a flag says otherwise; the JSON reports
          unless --asym; the saved "zero_point" key says which (read back below).
 
 On CPU GPTQModel loads the model in bfloat16 unless --dtype says otherwise (its auto_dtype);
-"model_dtype" in the JSON says which. The last stdout line is one JSON object; "seconds" is the
-quantize() call only, "scheme" is read back from the saved quantization config.
+"model_dtype" in the JSON says which. bfloat16 needs a CPU with native bfloat16 support to be quick: on 2
+AMD EPYC cores with AVX2 only (2026-12-05) its AWQ took ~6 min per layer of the demo (3 hours in all),
+against 41-58 CPU minutes for all 30 layers on the AVX-512 / AMX machine of the README's rows. --dtype
+float32 does not help AWQ: GPTQModel 7.7 refuses to pack it (AwqTorchLinear takes float16 / bfloat16 only).
+The last stdout line is one JSON object; "seconds" is the quantize() call only, "scheme" is read back from
+the saved quantization config.
 
 Creating the venv (CPU only). GPTQModel 7.7.0 declares torch>=2.14.1, which PyPI serves only as a
 CUDA build (with ~3 GB of nvidia-* wheels); the code itself imports and runs on the local CPU torch

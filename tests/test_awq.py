@@ -128,7 +128,7 @@ def test_registered_defaults_and_options():
     assert q.options["duo_scaling"] is True and q.options["clip"] is True and q.options["n_grid"] == 20
     assert q.options["clip_n_grid"] == 20 and q.options["clip_max_shrink"] == 0.5 and q.options["gqa_v_o"] is False
     assert q.options["max_search_tokens"] == 2048 and q.options["token_search_tokens"] == 4096
-    assert q.options["clip_search_tokens"] == 1024
+    assert q.options["clip_search_tokens"] == 4096
     assert q.format_extra() == {}
     with pytest.raises(QuantkitError, match="unknown option"):
         get_quantizer("awq", damp_percent=0.1)

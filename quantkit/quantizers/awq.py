@@ -324,7 +324,7 @@ class AWQTransform(Transform):
         "clip": True,  # search and apply per-group weight clipping
         "clip_n_grid": 20,
         "clip_max_shrink": 0.5,  # ratios 1.0 down to (not including) 1 - max_shrink
-        "clip_search_tokens": 1024,  # strided token sample for the clip error (AutoAWQ's 512: README defaults table)
+        "clip_search_tokens": 4096,  # strided token sample for the clip error (AutoAWQ's 512: README defaults table)
         # "output": AutoAWQ's per-(row, group) choice, then coordinate descent on each row's whole output
         # error, cross terms between groups included (search_clip; README defaults table); "group": AutoAWQ's
         "clip_objective": "output",
