@@ -169,14 +169,14 @@ def refine_on_output(deltas: torch.Tensor, own: torch.Tensor, gram: torch.Tensor
 
 @torch.no_grad()
 def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: LinearScheme, n_grid: int = 20, max_shrink: float = 0.5,
-                return_errors: bool = False, sym_range: str = "exact", objective: str = "group", sweeps: int = 2):
+                sym_range: str = "exact", objective: str = "group", sweeps: int = 2) -> torch.Tensor:
     """Best clip ratio per (output row, group) of ``w`` [N, K] for inputs ``x`` [T, K].
 
     objective "group" (AutoAWQ's _compute_best_clip): each (row, group) alone, by the mean over tokens
     of (x_g . (q(clip(w_g)) - w_g))^2, the squared error of the group's partial output; ties keep the
     larger ratio. "output": that choice refined by `refine_on_output` toward the row's whole output
     error. Both run from H = X^T X / T (T x K x K once, then no token count in the search).
-    Returns ratios [N, G] (and the per-group errors [n_ratios, N, G] when asked).
+    Returns ratios [N, G].
     """
     check_clip_objective(objective)
     n, k = w.shape
@@ -185,7 +185,7 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: LinearScheme, n_grid: 
     x = x.reshape(-1, k).to(device=w.device, dtype=torch.float32)
     gram = (x.t() @ x) / max(1, x.shape[0])
     w = w.float()
-    index, errors = [], []
+    index = []
     chunk = max(1, min(n, _CLIP_CHUNK_ELEMS // max(1, len(grid) * k)))  # rows are independent
     for start in range(0, n, chunk):
         deltas = clip_candidates(w[start:start + chunk], scheme, grid, sym_range)
@@ -194,12 +194,7 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: LinearScheme, n_grid: 
         if objective == "output":
             best = refine_on_output(deltas, err, gram, best, gs, sweeps)
         index.append(best)
-        if return_errors:
-            errors.append(err)
-    ratios = torch.tensor(grid, device=w.device)[torch.cat(index)]
-    if return_errors:
-        return ratios, torch.cat(errors, dim=1)
-    return ratios
+    return torch.tensor(grid, device=w.device)[torch.cat(index)]
 
 
 # ----------------------------------------------------------------------------- capture
