@@ -392,8 +392,22 @@ def test_gptq_config_keys_and_round_trip():
     assert "dynamic" not in cfg and cfg["lm_head"] is False
     assert gptq.parse_quantization_config(cfg, NAMES, SHAPES) == specs(act="dynamic")
     cfg = gptq.quantization_config(specs(act="static"), ["lm_head"], {})
-    assert cfg["desc_act"] is True and cfg["static_groups"] is True
+    # act-order over static groups stores the trivial g_idx: loaders are told desc_act false (vLLM refuses
+    # desc_act true), quantkit's own act_order key keeps the processing order
+    assert cfg["desc_act"] is False and cfg["static_groups"] is True and cfg["act_order"] == "static"
     assert gptq.parse_quantization_config(cfg, NAMES, SHAPES) == specs(act="static")
+
+
+def test_gptq_config_reads_checkpoints_without_act_order_key():
+    """Older quantkit, GPTQModel and AutoGPTQ configs carry no act_order: desc_act + static_groups decide."""
+    base = {k: v for k, v in gptq.quantization_config(specs(), ["lm_head"], {}).items() if k != "act_order"}
+    for desc, static, want in ((True, True, "static"), (True, False, "dynamic"), (False, True, "none"),
+                               (False, False, "none")):
+        cfg = dict(base, desc_act=desc, static_groups=static)
+        assert gptq.parse_quantization_config(cfg, NAMES, SHAPES) == specs(act=want), (desc, static)
+    for recorded, desc in (("dynamic", False), ("none", True), ("sorted", False)):
+        with pytest.raises(QuantkitError, match="act_order"):
+            gptq.parse_quantization_config(dict(base, act_order=recorded, desc_act=desc), NAMES, SHAPES)
 
 
 def test_gptq_config_mixed_and_ignored_modules_use_dynamic_rules():
@@ -401,7 +415,8 @@ def test_gptq_config_mixed_and_ignored_modules_use_dynamic_rules():
     del want[NAMES[2]]
     cfg = gptq.quantization_config(want, [NAMES[2], "lm_head"], {})
     assert cfg["dynamic"] == {r"+:^model\.layers\.1\.mlp\.down_proj$": {"bits": 8, "group_size": -1, "sym": False,
-                                                                        "desc_act": False, "static_groups": False},
+                                                                        "desc_act": False, "static_groups": False,
+                                                                        "act_order": "none"},
                               r"-:^model\.layers\.1\.self_attn\.q_proj$": {}}
     assert gptq.parse_quantization_config(cfg, NAMES, SHAPES) == want
 

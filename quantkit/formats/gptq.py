@@ -101,7 +101,39 @@ def unpack(tensors: dict[str, torch.Tensor], spec: LinearSpec) -> QuantizedWeigh
 # ---------------------------------------------------------------- config.json
 
 def _act_order_keys(act_order: str) -> dict:
-    return {"desc_act": act_order != "none", "static_groups": act_order == "static"}
+    """The config keys that describe what is stored, which is what loaders act on.
+
+    `desc_act` tells a loader that the g_idx permutes the groups, so it must reorder (vLLM 0.32 refuses
+    such checkpoints outright). Act-order with static groups stores the trivial g_idx, so it is written
+    `desc_act: false` like no act-order at all: vLLM, GPTQModel and transformers all load that. The
+    processing order is kept for quantkit in its own key, `act_order`, which loaders ignore."""
+    return {"desc_act": act_order == "dynamic", "static_groups": act_order == "static", "act_order": act_order}
+
+
+def _act_order_from_keys(o: dict, qcfg: dict) -> str:
+    """Read back `act_order`; checkpoints without it (older quantkit, GPTQModel, AutoGPTQ) go by
+    desc_act + static_groups, where desc_act with static groups meant act-order over a trivial g_idx."""
+    desc = bool(o.get("desc_act", qcfg.get("desc_act", False)))
+    recorded = o.get("act_order", qcfg.get("act_order"))
+    if recorded is None:
+        static = bool(o.get("static_groups", qcfg.get("static_groups", False)))
+        return "none" if not desc else ("static" if static else "dynamic")
+    if recorded not in ("none", "static", "dynamic"):
+        raise QuantkitError(f"gptq: act_order {recorded!r} is not one of none, static, dynamic")
+    if (recorded == "dynamic") != desc and not (recorded == "static" and desc):
+        raise QuantkitError(f"gptq: act_order {recorded!r} contradicts desc_act={desc} "
+                            "(only act_order 'dynamic' stores a g_idx that loaders must follow)")
+    return recorded
+
+
+def _check_extra_act_order(extra: dict, act_order: str, group_size: int) -> None:
+    """The quantizer's options (desc_act = processed in act-order, static_groups) must agree with
+    the act-order the weights record; the config's own keys are then written from the weights."""
+    if "desc_act" in extra and bool(extra["desc_act"]) != (act_order != "none"):
+        raise QuantkitError(f"gptq: extra desc_act={extra['desc_act']} contradicts act-order {act_order!r}")
+    if "static_groups" in extra and act_order != "none" and group_size != -1 \
+            and bool(extra["static_groups"]) != (act_order == "static"):
+        raise QuantkitError(f"gptq: extra static_groups={extra['static_groups']} contradicts act-order {act_order!r}")
 
 
 def quantization_config(spec_by_module: dict[str, LinearSpec], ignore: list[str], extra: dict) -> dict:
@@ -115,10 +147,8 @@ def quantization_config(spec_by_module: dict[str, LinearSpec], ignore: list[str]
     bits, group_size, sym, act_order = base[:4]
     keys = _act_order_keys(act_order)
     extra = dict(extra or {})
-    for key in ("desc_act", "static_groups"):
-        if key in extra and bool(extra[key]) != keys[key] and not (key == "static_groups" and act_order == "none"):
-            raise QuantkitError(f"gptq: extra {key}={extra[key]} contradicts act-order {act_order!r}")
-    if act_order == "none":
+    _check_extra_act_order(extra, act_order, group_size)
+    if act_order == "none":  # static groups without act-order: GPTQModel's meaning of the key, as given
         keys["static_groups"] = bool(extra.get("static_groups", False))
     dynamic = dict(extra.pop("dynamic", None) or {})
     for name, spec in spec_by_module.items():
@@ -166,12 +196,9 @@ def parse_quantization_config(qcfg: dict, linear_names: list[str],
 
     def spec_for(name: str, o: dict) -> LinearSpec:
         bits, gs = int(o.get("bits", qcfg["bits"])), int(o.get("group_size", qcfg["group_size"]))
-        desc = bool(o.get("desc_act", qcfg.get("desc_act", False)))
-        static = bool(o.get("static_groups", qcfg.get("static_groups", False)))
         out_f, in_f = linear_shapes[name]
         spec = LinearSpec(out_features=out_f, in_features=in_f, bits=bits, group_size=gs,
-                          sym=bool(o.get("sym", qcfg.get("sym", True))),
-                          act_order="none" if not desc else ("static" if static else "dynamic"))
+                          sym=bool(o.get("sym", qcfg.get("sym", True))), act_order=_act_order_from_keys(o, qcfg))
         _check_spec(spec)
         return spec
 
