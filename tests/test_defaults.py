@@ -1,26 +1,33 @@
-"""The defaults are what the README's defaults table says: a bare `--method X` resolves to them.
+"""The defaults are what docs/defaults.yaml says: a bare `--method X` resolves to them.
 
-The table (README, "Defaults and the measurements behind them") is the product's statement of its
-defaults, each with the figure that chose it; this test reads it and resolves each method's plan
-with no other argument, as `quantkit quantize --method X` does.
+docs/defaults.yaml is the product's statement of its defaults, each with the figure that chose it
+(docs/methods.md shows it); this test resolves each method's plan with no other argument, as
+`quantkit quantize --method X` does, and compares every setting the file names. It also checks that
+the page's defaults section is the one scripts/render_defaults_doc.py writes from the file.
 """
-import re
+import importlib.util
 from pathlib import Path
 
 import pytest
-import yaml
 
 from quantkit.plan import resolve_plan
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-ROW = re.compile(r"^\|\s*(\w+)\s*\|\s*`(\w+)`\s*\|\s*`([^`]+)`\s*\|")
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def readme_defaults() -> list[tuple[str, str, object]]:
-    text = README.read_text()
-    section = text.split("## Defaults and the measurements behind them", 1)[1].split("\n## ", 1)[0]
-    rows = [ROW.match(line) for line in section.splitlines()]
-    return [(m[1], m[2], yaml.safe_load(m[3])) for m in rows if m]
+def _renderer():
+    spec = importlib.util.spec_from_file_location("render_defaults_doc", ROOT / "scripts" / "render_defaults_doc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RENDER = _renderer()
+DATA = RENDER.load_defaults()
+
+
+def stated_defaults() -> list[tuple[str, str, object]]:
+    return [(e["method"], setting, value) for e in DATA["defaults"] for setting, value in e["settings"].items()]
 
 
 def resolved(method: str, setting: str):
@@ -35,12 +42,19 @@ def resolved(method: str, setting: str):
     return getattr(plan.calibration, setting)
 
 
-def test_readme_states_the_defaults_of_every_method_it_measures():
-    methods = {m for m, _, _ in readme_defaults()}
+def test_the_file_states_the_defaults_of_every_method_it_measures():
+    methods = {m for m, _, _ in stated_defaults()}
     assert {"gptq", "awq", "rtn"} <= methods, methods
-    assert len(readme_defaults()) >= 10
+    assert len(stated_defaults()) >= 20
+    assert all(e["why"].strip() for e in DATA["defaults"]), "every default carries the measurement behind it"
 
 
-@pytest.mark.parametrize("method,setting,stated", readme_defaults())
-def test_bare_method_resolves_to_the_readme_default(method, setting, stated):
+@pytest.mark.parametrize("method,setting,stated", stated_defaults())
+def test_bare_method_resolves_to_the_stated_default(method, setting, stated):
     assert resolved(method, setting) == stated
+
+
+def test_methods_page_shows_the_current_file():
+    page = RENDER.PAGE.read_text()
+    assert RENDER.current_section(page) == RENDER.render(DATA), \
+        "docs/methods.md is out of date with docs/defaults.yaml: run python scripts/render_defaults_doc.py"
