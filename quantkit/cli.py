@@ -10,6 +10,7 @@ import sys
 
 import click
 
+from quantkit.cli_help import SectionedCommand
 from quantkit.errors import QuantkitError
 
 
@@ -38,7 +39,28 @@ def cli():
     """quantkit: quantize Hugging Face causal LMs into packed, Hub-ready checkpoints and measure them."""
 
 
-@cli.command()
+QUANTIZE_HELP_SECTIONS = (  # `quantize --help` in this order; options not named here go under "Other options"
+    ("Model and output", ("model", "output", "overwrite", "resume", "dtype", "max_shard_size", "trust_remote_code",
+                          "as_json")),
+    ("Method and scheme", ("method", "recipe", "bits", "group_size", "sym", "format_", "gguf_type", "ignore",
+                           "options")),
+    ("Method option shortcuts (same as --option KEY=VALUE)", ("desc_act", "static_groups", "mse", "offload_hessians")),
+    ("Calibration data", ("dataset", "num_samples", "seq_len", "seed", "chat_template", "batch_size")),
+    ("Quality", ("eval_after",)),
+    ("Devices and memory", ("device", "streaming", "device_map", "max_memory", "nproc", "dist_timeout")),
+    ("Mixture-of-Experts models", ("moe_calibration", "moe_min_tokens")),
+)
+QUANTIZE_EXAMPLES = (
+    "quantkit quantize                                      # the demo model, RTN 4-bit, group auto",
+    "quantkit quantize --method gptq --eval                 # GPTQ; KL and perplexity in the model card",
+    "quantkit quantize --model ./my-model --recipe best-w4  # a local HF folder, the KL-best 4-bit recipe",
+    "quantkit quantize --method awq,gptq --format compressed-tensors",
+    "quantkit quantize --method gptq --format gguf --gguf-type Q4_K_M",
+    "Every option and the defaults' measurements: docs/cli.md and docs/methods.md",
+)
+
+
+@cli.command(cls=SectionedCommand, sections=QUANTIZE_HELP_SECTIONS, examples=QUANTIZE_EXAMPLES)
 @click.option("--model", default="demo", show_default=True, help="HF folder, hub id, .gguf file, or 'demo'.")
 @click.option("--method", default=None,
               help="rtn, gptq, awq, smoothquant, or transforms then a weight quantizer: awq,gptq "
@@ -113,7 +135,7 @@ def quantize(model, method, bits, group_size, sym, format_, gguf_type, recipe, d
     if result is None:  # a rank other than 0 of a torchrun group: rank 0 reports
         return
     rss = result["peak_rss_mb"]
-    _emit(result, as_json, f"wrote {result['output']} ({result['method']}, {result['bits']}-bit, group {result['group_size']}, "
+    _emit(dict(result), as_json, f"wrote {result['output']} ({result['method']}, {result['bits']}-bit, group {result['group_size']}, "
                            f"{result['format']}) in {result['seconds']:.1f} s, "
                            + (f"peak RSS {rss:.0f} MB" if rss is not None else "peak RSS unknown"))
 

@@ -5,8 +5,12 @@ A *source* is one of:
     ``calibration_data/registry.yaml``),
   - a local file: ``.txt``/``.cor`` (each non-empty line is a document), ``.jsonl``/``.json``/
     ``.parquet`` with a ``text`` or ``messages`` field (optionally ``.gz``/``.zst``/... compressed),
-  - a list of strings, a ``datasets.Dataset`` with a ``text``/``messages`` field,
+  - a list of strings or chat conversations (lists of ``{role, content}`` messages), a
+    ``datasets.Dataset`` with a ``text``/``messages`` field,
   - token ids: a 2-D LongTensor ``[n, seq_len]`` or a list of 1-D LongTensors.
+
+Other containers (DataLoaders, ``{"input_ids"}`` batches, tokenized Datasets) are turned into one
+of these by ``quantkit.calibration_sources``, the single entry point of ``quantkit.quantize``.
 
 Named datasets and local files have two disjoint splits, ``calibration`` and ``eval``; a single
 local file is split by documents, the first 80 % calibrating and the last 20 % held out (``lee``:
@@ -186,6 +190,9 @@ def _resolve(source, split: str, chat_template: bool) -> _Docs:
         return _Docs("the given Dataset", source, _pick_field(source, "the given Dataset", chat_template))
     if isinstance(source, (list, tuple)) and all(isinstance(s, str) for s in source):
         return _Docs(f"the given list of {len(source)} texts", list(source), None)
+    if isinstance(source, (list, tuple)) and all(isinstance(s, (str, list, tuple)) for s in source):
+        # chat conversations (lists of {role, content} messages), maybe mixed with texts: _render checks them
+        return _Docs(f"the given list of {len(source)} documents", list(source), None)
     if isinstance(source, str) and source in registry():
         return _resolve_named(registry()[source], split)
     if isinstance(source, (str, Path)):

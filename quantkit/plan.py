@@ -7,7 +7,7 @@ says is what the run does and what the model card records.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -36,6 +36,20 @@ class Calibration:
     # Mixture-of-Experts models: how experts are calibrated (quantkit.pipeline.experts); None: the default
     moe_calibration: Optional[str] = None
     moe_min_tokens: Optional[int] = None
+    explicit: frozenset = frozenset()  # the keys the caller or the recipe set (the rest are defaults)
+    # after the tokens are drawn (with_tokens): what they came from and their SHA-256, for the card
+    source: Optional[str] = None
+    tokens_sha256: Optional[str] = None
+
+    def given(self, key: str):
+        """The setting when the caller or the recipe chose it, else None (token rows then size themselves)."""
+        return getattr(self, key) if key in self.explicit else None
+
+    def with_tokens(self, tokens) -> "Calibration":
+        """These settings as run on `tokens` (quantkit.calibration_sources.CalibrationTokens): their real
+        shape, description and hash, which the model card records."""
+        n, t = tokens.input_ids.shape
+        return replace(self, num_samples=int(n), seq_len=int(t), source=tokens.source, tokens_sha256=tokens.sha256)
 
     def expert_policy(self):
         """The MoE calibration policy these settings ask for (defaults where not given)."""
@@ -49,7 +63,9 @@ class Calibration:
 
     def label(self) -> str:
         d = self.dataset
-        return str(d) if isinstance(d, (str, Path)) else f"<{type(d).__name__}>"
+        if isinstance(d, (str, Path)):
+            return str(d)
+        return self.source or f"<{type(d).__name__}>"
 
 
 @dataclass(frozen=True)
@@ -67,6 +83,7 @@ class QuantizePlan:
         if c is not None:
             info.update({"calibration": c.label(), "num_samples": c.num_samples, "seq_len": c.seq_len, "seed": c.seed,
                          **({"chat_template": True} if c.chat_template else {}),
+                         **({"calibration_tokens_sha256": c.tokens_sha256} if c.tokens_sha256 else {}),
                          **{k: v for k, v in (("moe_calibration", c.moe_calibration),
                                               ("moe_min_tokens", c.moe_min_tokens)) if v is not None}})
         return info
@@ -193,6 +210,7 @@ def _calibration(recipe: Recipe, from_file: dict, explicit: dict) -> Optional[Ca
         raise QuantkitError(f"--batch-size must be a positive integer, got {c['batch_size']!r}")
     calibration = Calibration(dataset=c["dataset"], num_samples=c["num_samples"], seq_len=c["seq_len"], seed=c["seed"],
                               chat_template=bool(c["chat_template"]), batch_size=c["batch_size"],
-                              moe_calibration=c["moe_calibration"], moe_min_tokens=c["moe_min_tokens"])
+                              moe_calibration=c["moe_calibration"], moe_min_tokens=c["moe_min_tokens"],
+                              explicit=frozenset({*from_file, *given}))
     calibration.expert_policy()  # a bad value is refused here, before any model is loaded
     return calibration
