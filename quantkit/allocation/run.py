@@ -1,0 +1,201 @@
+"""The two entry points the API calls: measure a model's sensitivity report, and choose a mixture
+from a report for a `--target-bits` / `--target-size` budget."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from quantkit.allocation import mixture
+from quantkit.allocation.budget import candidate_costs, fixed_bytes, human_size, parse_size
+from quantkit.allocation.sensitivity import CANDIDATE_BITS, candidates_for, measure, scheme_label
+from quantkit.errors import QuantkitError
+
+# formats that store a different scheme per linear, and what each writes for the mixture
+MIXTURE_FORMATS = {"gptq": "GPTQModel `dynamic` rules in quantization_config",
+                   "compressed-tensors": "one config group per scheme"}
+
+
+def check_format_carries_mixture(format_name: str, gguf_type: Optional[str]) -> None:
+    """Refuse, with the reason, a format that cannot hold one scheme per linear."""
+    if gguf_type is not None or format_name == "gguf":
+        raise QuantkitError("--target-bits/--target-size: writing an allocated mixture as GGUF per-tensor types is not "
+                            "implemented yet (GGUF's own mixes: --gguf-type Q4_K_M); use --format gptq or "
+                            "compressed-tensors")
+    if format_name not in MIXTURE_FORMATS:
+        raise QuantkitError(f"--target-bits/--target-size: the {format_name} format stores one scheme for every linear "
+                            f"(awq: 4-bit only), so it cannot carry a mixture; use --format gptq or compressed-tensors")
+
+
+def measure_report(hf_model, adapter, plan, schemes: dict, calibration_ids: torch.Tensor, eval_windows: torch.Tensor, *,
+                   model_label: str, save_dtype: torch.dtype, batch_size: int = 4, sample: int = 8,
+                   measure_layers: bool = True, bits=CANDIDATE_BITS, seed: int = 0, info: Optional[dict] = None,
+                   progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """The sensitivity report of a full-precision (fp32) model: one row per linear and candidate scheme."""
+    from quantkit.formats import get_format
+
+    check_format_carries_mixture(plan.format, plan.gguf_type)
+    if plan.recipe.quantizes_activations:
+        raise QuantkitError(f"method {plan.recipe.name!r} quantizes activations; sensitivity and allocation cover "
+                            "weight-only schemes")
+    fmt = get_format(plan.format)
+    shapes = {n: s for n, s in adapter.linear_shapes(hf_model).items() if n in schemes}
+    candidates = {n: candidates_for(s, bits) for n, s in schemes.items()}
+    costs = candidate_costs(fmt, plan.recipe, shapes, candidates)
+    candidates = {n: tuple(s for s in c if s in costs[n]) for n, c in candidates.items()}
+    prefix = adapter.layers_prefix(hf_model)
+    measured = measure(hf_model, prefix, candidates, plan.recipe.quantizer, calibration_ids, eval_windows,
+                       batch_size=batch_size, sample=sample, measure_layers=measure_layers, seed=seed,
+                       progress=progress)
+    labelled = {n: {scheme_label(s): b for s, b in c.items()} for n, c in costs.items()}
+    rows = mixture.table_rows(measured, labelled, candidates, shapes, prefix)
+    uniforms = {label: mixture.summary(u) for label in measured["labels"]
+                if (u := mixture.uniform(rows, label)) is not None}
+    layers = [{"layer": i, "scheme": label, "measured_kl": kl,
+               "predicted_kl": sum(r["predicted_kl"] for r in rows if r["layer"] == i and r["scheme"] == label)}
+              for (i, label), kl in sorted(measured["layer_kl"].items(), key=lambda kv: (kv[0][0] or 0, kv[0][1]))]
+    return {"model": model_label, "method": plan.recipe.name, "format": plan.format, **(info or {}),
+            "schemes": measured["labels"], "calibration_mode": measured["calibration_mode"],
+            "measured_forwards": measured["forwards"], "seconds": measured["seconds"],
+            "fixed_bytes": fixed_bytes(hf_model, set(schemes), save_dtype),
+            "proxy_check": measured["check"], "layers": layers, "uniform": uniforms,
+            "curve": mixture.size_curve(rows), "rows": rows}
+
+
+def read_report(path) -> dict[str, Any]:
+    """A report written by `quantkit sensitivity` (JSON only: nothing executable is read)."""
+    from quantkit.allocation.report import JSON_FILE
+
+    p = Path(path)
+    p = p / JSON_FILE if p.is_dir() else p
+    try:
+        report = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise QuantkitError(f"--sensitivity {path}: cannot read a sensitivity report ({exc}); give the folder or "
+                            "sensitivity.json that `quantkit sensitivity` wrote") from None
+    if not isinstance(report, dict) or not isinstance(report.get("rows"), list):
+        raise QuantkitError(f"--sensitivity {path}: not a sensitivity report (no 'rows'); run `quantkit sensitivity`")
+    return report
+
+
+def choose_mixture(report: dict[str, Any], plan, schemes: dict, *, target_bits: Optional[float] = None,
+                   target_size: Optional[str] = None) -> tuple[dict, dict[str, Any]]:
+    """The schemes of the linears (name -> LinearScheme) chosen for the budget, and what to record of it."""
+    if (target_bits is None) == (target_size is None):
+        raise QuantkitError("give one of --target-bits and --target-size")
+    if report.get("format") != plan.format:
+        raise QuantkitError(f"the sensitivity report counts sizes for the {report.get('format')} format, not "
+                            f"{plan.format}; measure it again with --format {plan.format}")
+    rows = [r for r in report["rows"] if r["linear"] in schemes]
+    covered = {r["linear"] for r in rows}
+    if covered != set(schemes):
+        missing = sorted(set(schemes) - covered)
+        raise QuantkitError(f"the sensitivity report has no rows for {len(missing)} linear(s) of this model (e.g. "
+                            f"{missing[0]}); measure this model with `quantkit sensitivity`")
+    weights = sum(shape[0]["weights"] for shape in mixture.by_linear(rows).values())
+    if target_bits is not None:
+        if not isinstance(target_bits, (int, float)) or isinstance(target_bits, bool) or target_bits <= 0:
+            raise QuantkitError(f"--target-bits must be a positive number, got {target_bits!r}")
+        budget, what = int(target_bits * weights / 8), f"--target-bits {target_bits}"
+        target = f"{target_bits} bits per weight (packed: codes, scales, zero points, g_idx)"
+    else:
+        total = parse_size(target_size)
+        budget, what = total - int(report["fixed_bytes"]), f"--target-size {target_size}"
+        target = f"{target_size} ({total} bytes of safetensors files)"
+        floor = sum(min(r["bytes"] for r in rs) for rs in mixture.by_linear(rows).values())
+        if budget < floor:
+            raise QuantkitError(f"{what} is below the smallest possible size, {human_size(floor + report['fixed_bytes'])} "
+                                f"({floor + report['fixed_bytes']} bytes: every linear at its smallest scheme); "
+                                "raise the target")
+    choice = mixture.allocate(rows, budget, what)
+    chosen = {n: mixture.row_scheme(r) for n, r in choice.items()}
+    for n, s in chosen.items():
+        if s.group_size != schemes[n].group_size or s.sym != schemes[n].sym:
+            raise QuantkitError(f"the sensitivity report's scheme for {n} ({scheme_label(s)}) has another group size or "
+                                "symmetry than this run's; measure again with the same --group-size/--sym")
+    return chosen, {"target": target, **mixture.summary(choice),
+                    "choice": {n: r["scheme"] for n, r in choice.items()}}
+
+
+EVAL_WINDOWS = 8  # held-out windows each KL measurement scores (a forward of the model each)
+EVAL_SEQ_LEN = 512
+
+
+def sensitivity_of_model(model: str, plan, *, calibration: Optional[dict] = None, trust_remote_code: bool = False,
+                         eval_dataset=None,
+                         eval_windows: int = EVAL_WINDOWS, eval_seq_len: int = EVAL_SEQ_LEN, sample: int = 8,
+                         measure_layers: bool = True, bits=CANDIDATE_BITS, batch_size: int = 4,
+                         progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Load `model` in fp32 and measure its report for `plan` (the calibration set is the plan's, or the
+    default one for a method that reads none, with the keys of `calibration` over it; KL is scored on the held-out split of `eval_dataset`,
+    default the calibration dataset)."""
+    from quantkit import data
+    from quantkit.models import get_adapter
+    from quantkit.plan import CALIBRATION_DEFAULTS
+    from quantkit.scoring import windows_of
+    from quantkit.sources import load_source_model, source_dtype
+
+    for what, value in (("--eval-windows", eval_windows), ("--eval-seq-len", eval_seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (2 if "seq" in what else 1):
+            raise QuantkitError(f"{what} must be a positive integer (a sequence length at least 2), got {value!r}")
+    if isinstance(sample, bool) or not isinstance(sample, int) or sample < 0:
+        raise QuantkitError(f"--sample must be a non-negative integer, got {sample!r}")
+    if not measure_layers and sample == 0:
+        raise QuantkitError("nothing would be measured to calibrate the proxy: keep --measure-layers or give --sample")
+    hf_model, tokenizer, base_name, _ = load_source_model(model, dtype=torch.float32,
+                                                          trust_remote_code=trust_remote_code, streaming=False)
+    save_dtype = source_dtype(hf_model.config)
+    adapter = get_adapter(hf_model)
+    schemes = plan.scheme.resolve(adapter.linear_shapes(hf_model))
+    c = plan.calibration
+    cal = ({"dataset": c.dataset, "num_samples": c.num_samples, "seq_len": c.seq_len, "seed": c.seed}
+           if c is not None else {k: CALIBRATION_DEFAULTS[k] for k in ("dataset", "num_samples", "seq_len", "seed")})
+    cal.update(calibration or {})
+    ids = data.calibration_batches(cal["dataset"], tokenizer, num_samples=cal["num_samples"], seq_len=cal["seq_len"],
+                                   seed=cal["seed"], chat_template=bool(c and c.chat_template))
+    eval_set = eval_dataset if eval_dataset is not None else (
+        cal["dataset"] if isinstance(cal["dataset"], (str, Path)) else CALIBRATION_DEFAULTS["dataset"])
+    windows = windows_of(data.eval_token_stream(eval_set, tokenizer), eval_seq_len, eval_windows)
+    info = {"calibration": {**{k: str(v) if k == "dataset" else v for k, v in cal.items()}},
+            "eval": {"dataset": str(eval_set), "windows": int(windows.shape[0]), "seq_len": eval_seq_len},
+            "sample": sample, "candidate_bits": list(bits)}
+    with torch.no_grad():
+        return measure_report(hf_model, adapter, plan, schemes, ids, windows, model_label=base_name,
+                              save_dtype=save_dtype, batch_size=batch_size, sample=sample,
+                              measure_layers=measure_layers, bits=bits, info=info, progress=progress)
+
+
+def allocate_plan(model, plan, schemes: dict, *, target_bits=None, target_size=None, sensitivity=None,
+                  fixed: Optional[int] = None, trust_remote_code: bool = False, progress: bool = False):
+    """`plan` with the budget's mixture as one override per linear (so the run's fingerprint, the
+    resume check and the model card see it), the report it came from, and the allocation's record."""
+    import re
+    from dataclasses import replace
+
+    from quantkit.scheme import Override
+
+    check_format_carries_mixture(plan.format, plan.gguf_type)
+    if sensitivity is not None:
+        report = read_report(sensitivity)
+    elif not isinstance(model, (str, Path)):
+        raise QuantkitError("allocating an in-memory model needs its sensitivity report: run `quantkit sensitivity` "
+                            "on its folder and pass sensitivity=<report>")
+    else:
+        say = (lambda s: print(f"sensitivity: {s}", flush=True)) if progress else (lambda s: None)
+        report = sensitivity_of_model(str(model), plan, trust_remote_code=trust_remote_code, progress=say)
+    if fixed is not None:
+        report = {**report, "fixed_bytes": fixed}
+    chosen, allocation = choose_mixture(report, plan, schemes, target_bits=target_bits, target_size=target_size)
+    overrides = tuple(Override(pattern=f"^{re.escape(n)}$", bits=s.bits, group_size=s.group_size, sym=s.sym)
+                      for n, s in chosen.items() if s != schemes[n])
+    return replace(plan, scheme=replace(plan.scheme, overrides=plan.scheme.overrides + overrides)), report, allocation
+
+
+def record_allocation(output: Path, report: dict[str, Any], allocation: dict[str, Any]) -> None:
+    """The report's files and the allocation beside the checkpoint, referenced from its model card."""
+    from quantkit.allocation.report import append_card, card_section, write_report
+
+    write_report(output, {**report, "allocation": allocation})
+    append_card(output, card_section(report, allocation))

@@ -1,0 +1,211 @@
+"""How much each linear's quantization costs in KL, per candidate scheme: measured and predicted.
+
+The expensive truth is the KL increase on held-out text when one module alone is quantized (all
+else in full precision). Measuring it for every linear and scheme is a model forward each, so:
+
+- the *proxy* for every (linear, scheme): the Hessian-weighted quantization error
+  tr(dW H dW^T), H = 2/n X^T X of the linear's full-precision inputs on the calibration set (GPTQ's
+  own objective: twice the mean squared output error per token), dW what the recipe's weight
+  quantizer (GPTQ or RTN, alone, on that H) leaves;
+- *measured* KL for every decoder layer (all its linears quantized at one scheme at once) and
+  for a sample of single linears;
+- predicted KL of (linear, scheme) = proxy x the factor that maps the layer's summed proxy onto its
+  measured KL at that scheme ("layer" calibration; without layer measurements, one factor per scheme
+  fitted on the sampled linears: "scheme"). The sampled single linears are then an independent
+  check of the prediction (they are not used by "layer" calibration).
+
+A mixture's predicted KL is the sum of its linears' predicted increments: an additivity assumption
+(KL is locally quadratic in the logit change and the modules' errors are roughly independent),
+which the allocation bench measures (scripts/bench_allocation.py).
+"""
+from __future__ import annotations
+
+import math
+import random
+import re
+import time
+from dataclasses import replace
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.scheme import LinearScheme
+
+CANDIDATE_BITS = (2, 3, 4, 8)
+
+
+def scheme_label(s: LinearScheme) -> str:
+    return f"w{s.bits}" + ("pc" if s.group_size == -1 else f"g{s.group_size}") + ("" if s.sym else "a")
+
+
+def candidates_for(base: LinearScheme, bits=CANDIDATE_BITS) -> tuple[LinearScheme, ...]:
+    """The candidate schemes of a linear: its resolved scheme at each candidate bit width."""
+    return tuple(replace(base, bits=b) for b in bits)
+
+
+def layer_of(name: str, layers_prefix: str) -> Optional[int]:
+    m = re.match(re.escape(layers_prefix) + r"\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+@torch.no_grad()
+def capture_hessians(model: nn.Module, names: list[str], input_ids: torch.Tensor, batch_size: int,
+                     progress: Callable[[str], None] = lambda s: None) -> dict[str, torch.Tensor]:
+    """H = 2/n X^T X of every named linear's full-precision inputs over the calibration ids (one pass)."""
+    from quantkit.quantizers.gptq_core import HessianAccumulator
+
+    modules = dict(model.named_modules())
+    accs = {n: HessianAccumulator(modules[n].in_features) for n in names}
+    hooks = [modules[n].register_forward_pre_hook(lambda m, args, n=n: accs[n].add_batch(args[0])) for n in names]
+    try:
+        for start in range(0, input_ids.shape[0], batch_size):
+            progress(f"calibration batch {start // batch_size + 1}/{math.ceil(input_ids.shape[0] / batch_size)}")
+            model(input_ids=input_ids[start:start + batch_size], use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: a.hessian() for n, a in accs.items()}
+
+
+def quantized_weight(quantizer, weight: torch.Tensor, H: torch.Tensor, scheme: LinearScheme) -> torch.Tensor:
+    """`weight` as the recipe's weight quantizer leaves it at `scheme` (GPTQ on H, else RTN), dequantized."""
+    from quantkit.quantizers.gptq_core import gptq_quantize
+    from quantkit.quantizers.grid import rtn_quantize
+
+    o = quantizer.options
+    if quantizer.name == "gptq":
+        _, stats = gptq_quantize(weight, H, scheme.bits, scheme.group_size, scheme.sym,
+                                 block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
+                                 act_order=bool(o["desc_act"]), static_groups=bool(o["static_groups"]),
+                                 mse=bool(o["mse"]), return_dequant=True)
+        return stats["dequant"].to(weight.dtype)
+    return rtn_quantize(weight, scheme.bits, scheme.group_size, scheme.sym,
+                        **quantizer.uncalibrated_grid_options()).dequantize().to(weight.dtype)
+
+
+def hessian_error(weight: torch.Tensor, approx: torch.Tensor, H: torch.Tensor) -> float:
+    """tr(dW H dW^T): the summed mean squared output error (x2) the calibration inputs would see."""
+    d = (approx.float() - weight.float())
+    return float(((d @ H) * d).sum())
+
+
+class KLMeter:
+    """Mean KL(full precision || model) over fixed held-out windows, the full-precision side computed once."""
+
+    def __init__(self, model: nn.Module, windows: torch.Tensor, batch_size: int):
+        from quantkit.baseline_cache import in_memory_baseline
+
+        self.model, self.windows, self.batch_size = model, windows, batch_size
+        self.baseline = in_memory_baseline(model, windows, batch_size)
+        self.forwards = 0
+
+    @torch.no_grad()
+    def kl_with(self, replaced: dict[str, torch.Tensor]) -> float:
+        """KL with the named linears' weights replaced (restored afterwards)."""
+        from quantkit.scoring import compare, logits_of
+
+        modules = dict(self.model.named_modules())
+        saved = {n: modules[n].weight.data for n in replaced}
+        try:
+            for n, w in replaced.items():
+                modules[n].weight.data = w
+            self.forwards += 1
+            return float(compare(logits_of(self.model), self.baseline, self.windows, self.batch_size)["kl_mean"])
+        finally:
+            for n, w in saved.items():
+                modules[n].weight.data = w
+
+
+def measure(model: nn.Module, layers_prefix: str, candidates: dict[str, tuple[LinearScheme, ...]], quantizer,
+            calibration_ids: torch.Tensor, eval_windows: torch.Tensor, *, batch_size: int = 4, sample: int = 8,
+            measure_layers: bool = True, seed: int = 0,
+            progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """The sensitivity table of `model` (fp32, in memory): proxies, measurements, predictions, the check."""
+    t0 = time.perf_counter()
+    names = list(candidates)
+    hessians = capture_hessians(model, names, calibration_ids, batch_size, progress)
+    modules = dict(model.named_modules())
+    labels = sorted({scheme_label(s) for c in candidates.values() for s in c},
+                    key=lambda l: [s for c in candidates.values() for s in c if scheme_label(s) == l][0].bits)
+    approx: dict[tuple[str, str], torch.Tensor] = {}
+    proxy: dict[tuple[str, str], float] = {}
+    for i, name in enumerate(names):
+        progress(f"proxy {i + 1}/{len(names)}: {name}")
+        w = modules[name].weight.data
+        for s in candidates[name]:
+            q = quantized_weight(quantizer, w, hessians[name], s)
+            approx[(name, scheme_label(s))] = q
+            proxy[(name, scheme_label(s))] = hessian_error(w, q, hessians[name])
+    del hessians
+
+    meter = KLMeter(model, eval_windows, batch_size)
+    by_layer: dict[int, list[str]] = {}
+    for n in names:
+        by_layer.setdefault(layer_of(n, layers_prefix), []).append(n)
+    layer_kl: dict[tuple[int, str], float] = {}
+    if measure_layers:
+        for index, members in sorted(by_layer.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
+            for label in labels:
+                if all((n, label) in approx for n in members):
+                    progress(f"layer {index} at {label}")
+                    layer_kl[(index, label)] = meter.kl_with({n: approx[(n, label)] for n in members})
+    rng = random.Random(seed)
+    sampled = sorted(rng.sample(names, min(sample, len(names))), key=names.index)
+    measured: dict[tuple[str, str], float] = {}
+    for n in sampled:
+        for s in candidates[n]:
+            progress(f"linear {n} at {scheme_label(s)}")
+            measured[(n, scheme_label(s))] = meter.kl_with({n: approx[(n, scheme_label(s))]})
+    factors, mode = _calibrate(proxy, by_layer, layer_kl, measured, labels)
+    predicted = {(n, l): proxy[(n, l)] * factors[(layer_of(n, layers_prefix), l)]
+                 for (n, l) in proxy}
+    return {"proxy": proxy, "predicted": predicted, "measured": measured, "layer_kl": layer_kl,
+            "calibration_mode": mode, "factors": factors, "labels": labels, "by_layer": by_layer,
+            "check": proxy_check(measured, predicted, proxy, in_sample=mode == "scheme"),
+            "forwards": meter.forwards, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _calibrate(proxy, by_layer, layer_kl, measured, labels):
+    """(layer, scheme label) -> KL per unit of proxy, and how it was fitted."""
+    if layer_kl:
+        factors = {}
+        for index, members in by_layer.items():
+            for label in labels:
+                total = sum(proxy.get((n, label), 0.0) for n in members)
+                kl = layer_kl.get((index, label))
+                factors[(index, label)] = max(kl, 0.0) / total if kl is not None and total > 0 else math.nan
+        # a layer without its measurement (or zero proxy): the median factor of that scheme
+        for label in labels:
+            known = sorted(f for (i, l), f in factors.items() if l == label and math.isfinite(f))
+            fill = known[len(known) // 2] if known else 0.0
+            for key in [k for k, f in factors.items() if k[1] == label and not math.isfinite(f)]:
+                factors[key] = fill
+        return factors, "layer"
+    if not measured:
+        raise QuantkitError("the sensitivity table needs measured KL to calibrate its proxy: measure the layers "
+                            "or a sample of at least one linear")
+    per_scheme = {}
+    for label in labels:
+        pairs = [(proxy[k], v) for k, v in measured.items() if k[1] == label]
+        den = sum(p * p for p, _ in pairs)
+        per_scheme[label] = max(sum(p * v for p, v in pairs) / den, 0.0) if den > 0 else 0.0
+    return {(i, l): per_scheme[l] for i in by_layer for l in labels}, "scheme"
+
+
+def proxy_check(measured: dict, predicted: dict, proxy: dict, in_sample: bool) -> dict[str, Any]:
+    """How well the proxy tracks measured KL on the sampled linears: correlation (Pearson, on logs: the
+    values span decades) of the raw proxy and the measured KL, and the calibrated prediction's error."""
+    keys = [k for k in measured if measured[k] > 0 and proxy[k] > 0]
+    out: dict[str, Any] = {"modules_x_schemes": len(measured), "in_sample": in_sample}
+    if len(keys) >= 3:
+        lx = torch.tensor([math.log(proxy[k]) for k in keys], dtype=torch.float64)
+        ly = torch.tensor([math.log(measured[k]) for k in keys], dtype=torch.float64)
+        out["pearson_log_proxy_vs_measured"] = round(float(torch.corrcoef(torch.stack([lx, ly]))[0, 1]), 4)
+    rel = [abs(predicted[k] - measured[k]) / measured[k] for k in keys]
+    if rel:
+        rel.sort()
+        out["median_abs_relative_error"] = round(rel[len(rel) // 2], 4)
+        out["sum_predicted_over_sum_measured"] = round(sum(predicted[k] for k in keys) / sum(measured[k] for k in keys), 4)
+    return out
