@@ -23,6 +23,7 @@ import json
 import os
 import pathlib
 import sys
+import types
 
 DEFAULT_MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024]
 DEFAULT_SHAPES = ["4096x4096", "8192x8192", "4096x14336", "14336x4096"]  # K x N
@@ -34,12 +35,14 @@ def _refuse(msg: str) -> int:
 
 
 def _import_kernels():
-    """``quantkit.kernels``, installed or from this source tree."""
+    """The GEMMs of ``quantkit.kernels``, installed or from this source tree."""
     try:
-        return importlib.import_module("quantkit.kernels")
+        importlib.import_module("quantkit.kernels.dequant_gemm")
     except ImportError:
         sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-        return importlib.import_module("quantkit.kernels")
+    dequant = importlib.import_module("quantkit.kernels.dequant_gemm")
+    int8 = importlib.import_module("quantkit.kernels.int8_gemm")
+    return types.SimpleNamespace(dequant_gemm=dequant.dequant_gemm, w8a8_linear=int8.w8a8_linear)
 
 
 def _parse_shape(s: str):

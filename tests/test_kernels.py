@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-K = importlib.import_module("quantkit.kernels")
+TS = importlib.import_module("quantkit.kernels.triton_support")
 R = importlib.import_module("quantkit.kernels.reference")
 DG = importlib.import_module("quantkit.kernels.dequant_gemm")
 I8 = importlib.import_module("quantkit.kernels.int8_gemm")
@@ -180,7 +180,7 @@ def test_dequant_gemm_matches_reference(kernels_active, m, k, n, bits, group, sy
     t = _to(_make_gptq(k, n, bits, group, sym, act_order, seed=m * 1000 + k + n), DEVICE)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     ref = R.w4a16_reference(x, t["qweight"], t["scales"], t["qzeros"], t["g_idx"], bits, group)
-    y = K.dequant_gemm(x, t["qweight"], t["scales"], t["qzeros"], t["g_idx"], bits, group)
+    y = DG.dequant_gemm(x, t["qweight"], t["scales"], t["qzeros"], t["g_idx"], bits, group)
     assert y.shape == (m, n) and y.dtype == dtype
     assert _max_rel_err(y, ref) < _tol(dtype)
 
@@ -188,35 +188,35 @@ def test_dequant_gemm_matches_reference(kernels_active, m, k, n, bits, group, sy
 def test_dequant_gemm_prepared_act_order_and_batch_dims(kernels_active):
     """The load-time path: sort once, pass perm; x with leading batch dims (M = 2 * 3)."""
     t = _to(_make_gptq(128, 48, 4, 32, False, True, seed=7), DEVICE)
-    qw_s, g_s, perm = K.prepare_act_order(t["qweight"], t["g_idx"], 4)
+    qw_s, g_s, perm = DG.prepare_act_order(t["qweight"], t["g_idx"], 4)
     assert torch.equal(g_s.long().cpu(), torch.arange(128) // 32)  # contiguous groups
     assert torch.equal(R.unpack_gptq_qweight(qw_s, 4), R.unpack_gptq_qweight(t["qweight"], 4)[perm])
     x = torch.randn(2, 3, 128).to(DEVICE, torch.float16)
     ref = R.w4a16_reference(x, t["qweight"], t["scales"], t["qzeros"], t["g_idx"], 4)
-    y = K.dequant_gemm(x, qw_s, t["scales"], t["qzeros"], None, 4, 32, perm=perm)
+    y = DG.dequant_gemm(x, qw_s, t["scales"], t["qzeros"], None, 4, 32, perm=perm)
     assert y.shape == (2, 3, 48)
     assert _max_rel_err(y, ref) < _tol(torch.float16)
-    y2 = K.dequant_gemm(x[0, :1], qw_s, t["scales"], t["qzeros"], g_s, 4, 32, perm=perm)  # M=1
+    y2 = DG.dequant_gemm(x[0, :1], qw_s, t["scales"], t["qzeros"], g_s, 4, 32, perm=perm)  # M=1
     assert _max_rel_err(y2, ref[0, :1]) < _tol(torch.float16)
     with pytest.raises(ValueError, match="group_size rows"):  # unsorted g_idx with a perm
-        K.dequant_gemm(x, qw_s, t["scales"], t["qzeros"], t["g_idx"], 4, 32, perm=perm)
+        DG.dequant_gemm(x, qw_s, t["scales"], t["qzeros"], t["g_idx"], 4, 32, perm=perm)
 
 
 def test_dequant_gemm_rejects_bad_shapes():
     t = _make_gptq(192, 16, 4, 64, False, False, seed=3)
     x = torch.randn(2, 192)
     with pytest.raises(ValueError, match="multiple of group_size"):
-        K.dequant_gemm(x, t["qweight"], t["scales"][:1], t["qzeros"][:1], None, 4, 128)
+        DG.dequant_gemm(x, t["qweight"], t["scales"][:1], t["qzeros"][:1], None, 4, 128)
     with pytest.raises(ValueError, match="pack factor"):
-        K.dequant_gemm(torch.randn(2, 36), t["qweight"], t["scales"], t["qzeros"], None, 4, 64)
+        DG.dequant_gemm(torch.randn(2, 36), t["qweight"], t["scales"], t["qzeros"], None, 4, 64)
     with pytest.raises(ValueError, match="bits"):
-        K.dequant_gemm(x, t["qweight"], t["scales"], t["qzeros"], None, 3, 64)
+        DG.dequant_gemm(x, t["qweight"], t["scales"], t["qzeros"], None, 3, 64)
     with pytest.raises(ValueError, match="scales must be"):
-        K.dequant_gemm(x, t["qweight"], t["scales"][:2], t["qzeros"], None, 4, 64)
+        DG.dequant_gemm(x, t["qweight"], t["scales"][:2], t["qzeros"], None, 4, 64)
     bad = t["g_idx"].clone()
     bad[0] = 1  # group 1 now has 65 rows
     with pytest.raises(ValueError, match="group_size rows"):
-        K.dequant_gemm(x, t["qweight"], t["scales"], t["qzeros"], bad, 4, 64)
+        DG.dequant_gemm(x, t["qweight"], t["scales"], t["qzeros"], bad, 4, 64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ def test_per_token_quant_matches_reference_exactly(kernels_active, m, k, dtype):
         x[2, :8] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, -127.0])
         x[2, 8:] = 0.25
     x = x.to(DEVICE)
-    q, s = K.per_token_quant_int8(x)
+    q, s = I8.per_token_quant_int8(x)
     q_ref, s_ref = R.quantize_per_token_int8(x)
     assert q.dtype == torch.int8 and q.shape == (m, k) and s.shape == (m, 1) and s.dtype == torch.float32
     assert torch.equal(s, s_ref)
@@ -258,7 +258,7 @@ def test_int8_gemm_matches_reference(kernels_active, m, k, n, bias, out_dtype):
     w_s = torch.rand(n, generator=g) * 0.01 + 1e-3
     b = torch.randn(n, generator=g) if bias else None
     args = [t.to(DEVICE) if t is not None else None for t in (x_q, w_q, x_s, w_s, b)]
-    y = K.int8_gemm(*args, out_dtype=out_dtype)
+    y = I8.int8_gemm(*args, out_dtype=out_dtype)
     ref = R.w8a8_reference(*args, out_dtype=out_dtype)
     assert y.shape == (m, n) and y.dtype == out_dtype
     torch.testing.assert_close(y, ref, rtol=1e-5 if out_dtype == torch.float32 else 1e-3, atol=1e-4)
@@ -276,7 +276,7 @@ def test_int8_gemm_extremes_are_exact(kernels_active):
     expected[:, 5] = torch.tensor([-128.0, 127.0, -128.0]) * 127 * k
     ref = R.w8a8_reference(x_q, w_q, ones_m, ones_n, out_dtype=torch.float32)
     assert torch.equal(ref, expected)  # the reference itself, against arithmetic
-    y = K.int8_gemm(x_q.to(DEVICE), w_q.to(DEVICE), ones_m.to(DEVICE), ones_n.to(DEVICE),
+    y = I8.int8_gemm(x_q.to(DEVICE), w_q.to(DEVICE), ones_m.to(DEVICE), ones_n.to(DEVICE),
                     out_dtype=torch.float32)
     assert torch.equal(y.cpu(), expected)
 
@@ -286,7 +286,7 @@ def test_w8a8_linear_end_to_end(kernels_active):
     w = torch.randn(48, 128)
     w_s = w.abs().amax(dim=1) / 127
     w_q = torch.round(w / w_s[:, None]).to(torch.int8)
-    y = K.w8a8_linear(x, w_q.to(DEVICE), w_s.to(DEVICE))
+    y = I8.w8a8_linear(x, w_q.to(DEVICE), w_s.to(DEVICE))
     assert y.shape == (2, 3, 48) and y.dtype == torch.float16
     x_q, x_s = R.quantize_per_token_int8(x)
     ref = R.w8a8_reference(x_q, w_q.to(DEVICE), x_s, w_s.to(DEVICE), out_dtype=torch.float16)
@@ -297,16 +297,16 @@ def test_w8a8_linear_end_to_end(kernels_active):
 
 def test_import_without_triton_falls_back(monkeypatch):
     """triton_available() reflects reality; functions work (via references) without triton."""
-    assert K.triton_available() == (DG.HAS_TRITON and (DG.INTERPRET or torch.cuda.is_available()))
-    monkeypatch.setattr(K.triton_support, "HAS_TRITON", False)  # the one place every kernel module asks
-    assert not K.triton_available() and not K.triton_installed()
+    assert TS.triton_available() == (DG.HAS_TRITON and (DG.INTERPRET or torch.cuda.is_available()))
+    monkeypatch.setattr(TS, "HAS_TRITON", False)  # the one place every kernel module asks
+    assert not TS.triton_available() and not TS.triton_installed()
     t = _make_gptq(64, 16, 4, 32, False, False, seed=5)
     x = torch.randn(2, 64)
     torch.testing.assert_close(
-        K.dequant_gemm(x, t["qweight"], t["scales"], t["qzeros"], None, 4, 32),
+        DG.dequant_gemm(x, t["qweight"], t["scales"], t["qzeros"], None, 4, 32),
         R.w4a16_reference(x, t["qweight"], t["scales"], t["qzeros"], None, 4, 32),
     )
-    q, s = K.per_token_quant_int8(x)
+    q, s = I8.per_token_quant_int8(x)
     assert torch.equal(q, R.quantize_per_token_int8(x)[0])
 
 

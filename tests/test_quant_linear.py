@@ -151,11 +151,11 @@ def test_cpu_fallbacks_warn_once_and_stay_correct(bits, gs, sym, n, why):
 def test_triton_backend_matches_reference(fmt, bits, gs, sym, dynamic):
     """Under TRITON_INTERPRET=1 (set by conftest without a GPU) the real kernels run on CPU tensors;
     on a GPU (tests/test_gpu.py has the fp16/bf16 cases) on CUDA tensors."""
-    from quantkit import kernels
+    from quantkit.kernels import triton_support
 
-    if not kernels.triton_available():
+    if not triton_support.triton_available():
         pytest.skip("triton cannot run here")
-    dev = "cpu" if kernels.triton_support.INTERPRET else "cuda"  # on a GPU: real GPU tensors
+    dev = "cpu" if triton_support.INTERPRET else "cuda"  # on a GPU: real GPU tensors
     qw = make_qw(48, 128, bits, gs, sym, seed=3, dynamic=dynamic)
     m = build(qw, fmt, "triton", dtype=torch.float32).to(dev)
     for rows in (1, 17):
@@ -313,14 +313,14 @@ def test_w8a8_int_mm_missing_falls_back_to_the_exact_fp32_gemm(monkeypatch, fres
 
 
 def test_triton_backend_refused_without_the_triton_package(monkeypatch):
-    from quantkit import kernels
+    from quantkit.kernels import triton_support
 
-    monkeypatch.setattr(kernels.triton_support, "HAS_TRITON", False)
+    monkeypatch.setattr(triton_support, "HAS_TRITON", False)
     qw = make_qw(96, 128, 4, 32, True)
     with pytest.raises(QuantkitError, match="triton package.*--backend auto, cpu or reference"):
         QuantLinear.from_quantized(qw, "gptq", dtype=torch.float32, backend="triton")
     assert backends.resolve("auto", torch.device("cpu")) == "cpu"
     with pytest.warns(UserWarning, match="triton is not installed"):
         assert backends.resolve("auto", torch.device("cuda")) == "reference"
-    monkeypatch.setattr(kernels.triton_support, "HAS_TRITON", True)
+    monkeypatch.setattr(triton_support, "HAS_TRITON", True)
     assert backends.resolve("auto", torch.device("cuda")) == "triton"

@@ -132,7 +132,7 @@ class ModelRunner:
         self.c_step, self.c_step_problem = c_decode_step.build(model, self.decoder, self.kv_cache, block_size,
                                                                self.scale, self.rotary)
 
-        from quantkit.kernels import triton_installed
+        from quantkit.kernels.triton_support import triton_installed
         from quantkit.kernels.paged_attention import (decode_slots, extend_slots, paged_attention_decode,
                                                       paged_attention_decode_gathered, paged_attention_extend_gathered,
                                                       triton_decode_available)

@@ -55,9 +55,9 @@ def resolve(name: str, device: torch.device) -> str:
 
 
 def _triton_installed() -> bool:
-    from quantkit import kernels
+    from quantkit.kernels import triton_support
 
-    return kernels.triton_installed()
+    return triton_support.triton_installed()
 
 
 def _flat(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -294,13 +294,13 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, qw: QuantizedWeight, device: torch.device):
-        from quantkit import kernels
         from quantkit.formats import gptq
+        from quantkit.kernels import dequant_gemm, triton_support
 
         self.n, self.k = qw.qweight.shape
         self.fallback = None
         reason = None
-        if not kernels.triton_available():
+        if not triton_support.triton_available():
             reason = "triton cannot run here (no CUDA device and TRITON_INTERPRET unset)"
         elif qw.bits not in (4, 8):
             reason = f"no Triton kernel for {qw.bits}-bit"
@@ -323,7 +323,7 @@ class TritonBackend:
         self.scales = packed["scales"].to(device)
         self.perm = None if perm is None else perm.to(device)
         self.bits, self.group_size = qw.bits, gs
-        self.kernel = kernels.dequant_gemm
+        self.kernel = dequant_gemm.dequant_gemm
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fallback is not None:

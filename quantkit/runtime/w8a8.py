@@ -159,15 +159,15 @@ class W8A8Triton:
     name = "triton"
 
     def __init__(self, qw: QuantizedWeight, device: torch.device):
-        from quantkit import kernels
+        from quantkit.kernels import int8_gemm, triton_support
 
         self.fallback = None
-        if not kernels.triton_available():
+        if not triton_support.triton_available():
             notice("quantkit triton backend: triton cannot run here (no CUDA device and TRITON_INTERPRET unset); "
                    "W8A8 layers keep int8 activations through the cpu (or reference) path")
             self.fallback = W8A8Cpu(qw, device) if device.type == "cpu" else W8A8Reference(qw, device)
             return
-        self.kernels = kernels
+        self.kernels = int8_gemm
         self.n = qw.qweight.shape[0]
         w, ws = weight_int8(qw)
         self.w, self.w_scale = w.to(device), ws.to(device)

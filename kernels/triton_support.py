@@ -36,6 +36,24 @@ def fixed_config(interpreter: dict, gpu: dict) -> Optional[dict]:
     return None if AUTOTUNE else gpu
 
 
+def triton_installed() -> bool:
+    """True when the triton package imported (it ships Linux wheels only; optional elsewhere)."""
+    return HAS_TRITON
+
+
+def triton_available() -> bool:
+    """True when the Triton kernels will actually run: triton imported and either a CUDA device is
+    present or ``TRITON_INTERPRET=1`` was set when the kernel modules were imported (triton reads it
+    when kernels are decorated, so setting it later has no effect). Otherwise callers get the references."""
+    if not HAS_TRITON:
+        return False
+    if INTERPRET:
+        return True
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def runs_for(t) -> bool:
     """Whether a Triton kernel runs on tensor `t`: triton present and `t` on CUDA (or the interpreter on)."""
     return HAS_TRITON and (INTERPRET or t.is_cuda)
