@@ -56,6 +56,9 @@ def quantize(
     dist_timeout: Optional[float] = None,
     device_map: Optional[str] = None,
     max_memory: Union[str, dict, None] = None,
+    target_bits: Optional[float] = None,
+    target_size: Optional[str] = None,
+    sensitivity: Union[str, Path, None] = None,
 ) -> Optional[dict[str, Any]]:
     """Quantize `model` with `method` and write a packed checkpoint; returns a summary dict.
 
@@ -79,7 +82,12 @@ def quantize(
 
     `device_map="auto"` places the decoder layers with accelerate's device map (GPUs, then host
     memory, then disk, within `max_memory`: {0: "70GiB", "cpu": "200GiB"} or "0=70GiB,cpu=200GiB");
-    each layer is calibrated on the GPU that holds it, and layers left on disk are streamed."""
+    each layer is calibrated on the GPU that holds it, and layers left on disk are streamed.
+
+    `target_bits` (average bits per weight of the quantized linears, scales, zero points and g_idx
+    counted) or `target_size` (of the written files, e.g. "2.1GB") picks a scheme per linear by least
+    predicted KL under that budget, from the `sensitivity` report (a `quantkit sensitivity` folder or
+    JSON; measured first when not given); see docs/allocation.md."""
     args = dict(locals())
     from quantkit.models import get_adapter
     from quantkit.plan import resolve_plan
@@ -113,6 +121,10 @@ def quantize(
     adapter = get_adapter(hf_model)
     experts = _expert_policy(plan, adapter, hf_model, layer_source, comm)
     schemes = _linear_schemes(plan, hf_model, adapter)
+    allocated = _allocation(args, plan, schemes, layer_source, comm, hf_model, save_dtype)  # None: no size budget
+    if allocated is not None:
+        plan, report, allocation = allocated
+        schemes = _linear_schemes(plan, hf_model, adapter)
     serving = vllm_moe_serving(plan, adapter, hf_model, schemes) if experts is not None else None
     if output is None:
         output = _default_output(base_name, plan, schemes)
@@ -137,9 +149,35 @@ def quantize(
     if eval_after:
         del hf_model
         metrics = _record_quality(output, model, plan, device)
-    return {**_summary(output, plan, schemes, layer_source, cal_batch, t0, metrics), **({"moe": moe} if moe else {}),
-            **({"ranks": comm.world, "collective_bytes": dict(comm.traffic)} if comm is not None else {}),
-            **({"placement": layer_source.placement()} if device_map is not None else {})}
+    summary = {**_summary(output, plan, schemes, layer_source, cal_batch, t0, metrics), **({"moe": moe} if moe else {}),
+               **({"ranks": comm.world, "collective_bytes": dict(comm.traffic)} if comm is not None else {}),
+               **({"placement": layer_source.placement()} if device_map is not None else {})}
+    if allocated is not None:
+        from quantkit.allocation.run import record_allocation
+
+        record_allocation(output, report, allocation)
+        summary["allocation"] = {k: v for k, v in allocation.items() if k != "choice"}
+    return summary
+
+
+def _allocation(args: dict, plan, schemes: dict, layer_source, comm, hf_model, save_dtype):
+    """None without a budget; else (the plan with the budget's mixture, the sensitivity report, the allocation)."""
+    if args["target_bits"] is None and args["target_size"] is None:
+        if args["sensitivity"] is not None:
+            raise QuantkitError("--sensitivity is read by --target-bits/--target-size; add one or drop it")
+        return None
+    if args["target_bits"] is not None and args["target_size"] is not None:
+        raise QuantkitError("--target-bits and --target-size are two budgets; give one")
+    if layer_source is not None or comm is not None:
+        raise QuantkitError("--target-bits/--target-size run in one process with the model in memory; drop "
+                            "--streaming/--device-map/--nproc")
+    from quantkit.allocation.budget import fixed_bytes
+    from quantkit.allocation.run import allocate_plan
+
+    return allocate_plan(args["model"], plan, schemes, target_bits=args["target_bits"],
+                         target_size=args["target_size"], sensitivity=args["sensitivity"],
+                         fixed=fixed_bytes(hf_model, set(schemes), save_dtype),
+                         trust_remote_code=args["trust_remote_code"], progress=args["progress"])
 
 
 def _expert_policy(plan, adapter, hf_model, layer_source, comm=None):
@@ -517,3 +555,37 @@ def _engine_fn(model):
     from quantkit.engine.llm_engine import engine_logits_fn
 
     return engine_logits_fn(model)
+
+def sensitivity(model: str = "demo", method: Union[str, list, None] = "gptq", *, group_size=None, sym=None,
+                format: Optional[str] = None, recipe=None, options: Optional[dict] = None,
+                ignore: Optional[list[str]] = None, dataset: Any = None, num_samples: Optional[int] = None,
+                seq_len: Optional[int] = None, seed: Optional[int] = None, eval_dataset: Any = None,
+                eval_windows: int = 8, eval_seq_len: int = 512, sample: int = 8, measure_layers: bool = True,
+                candidate_bits=(2, 3, 4, 8), output: Union[str, Path, None] = None, overwrite: bool = False,
+                trust_remote_code: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Measure how much each linear's quantization costs in KL at each candidate bit width (the
+    method's group size and symmetry) and write the report (sensitivity.json, PNG pictures, HTML page)
+    into `output`; returns a summary. See quantkit.allocation.sensitivity and docs/allocation.md."""
+    from quantkit.allocation.report import write_report
+    from quantkit.allocation.run import sensitivity_of_model
+    from quantkit.plan import resolve_plan
+    from quantkit.scheme import check_bits
+
+    for b in candidate_bits:
+        check_bits(b)
+    plan = resolve_plan(method, recipe_file=recipe, options=options, group_size=group_size, sym=sym, ignore=ignore,
+                        format=format)
+    out = Path(output) if output is not None else Path(f"{Path(str(model)).name.lower()}-sensitivity")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
+        raise QuantkitError(f"--output {out} exists and is not empty; pass --overwrite or choose another folder")
+    say = (lambda s: print(f"sensitivity: {s}", flush=True)) if progress else (lambda s: None)
+    given = {k: v for k, v in (("dataset", dataset), ("num_samples", num_samples), ("seq_len", seq_len),
+                               ("seed", seed)) if v is not None}
+    report = sensitivity_of_model(str(model), plan, calibration=given, trust_remote_code=trust_remote_code,
+                                  eval_dataset=eval_dataset, eval_windows=eval_windows, eval_seq_len=eval_seq_len,
+                                  sample=sample, measure_layers=measure_layers, bits=tuple(candidate_bits),
+                                  progress=say)
+    files = write_report(out, report)
+    return {"output": str(out), "files": files, "rows": len(report["rows"]), "linears": len({r["linear"] for r in report["rows"]}),
+            "schemes": report["schemes"], "calibration_mode": report["calibration_mode"],
+            "proxy_check": report["proxy_check"], "uniform": report["uniform"], "seconds": report["seconds"]}
