@@ -49,6 +49,7 @@ QUANTIZE_HELP_SECTIONS = (  # `quantize --help` in this order; options not named
     ("Quality", ("eval_after",)),
     ("Devices and memory", ("device", "streaming", "device_map", "max_memory", "nproc", "dist_timeout")),
     ("Mixture-of-Experts models", ("moe_calibration", "moe_min_tokens")),
+    ("Mixed precision to a size budget", ("target_bits", "target_size", "sensitivity")),
 )
 QUANTIZE_EXAMPLES = (
     "quantkit quantize                                      # the demo model, RTN 4-bit, group auto",
@@ -112,11 +113,16 @@ QUANTIZE_EXAMPLES = (
 @click.option("--device-map", default=None, help="auto: place the decoder layers with accelerate's device map (GPUs, "
               "host memory, then disk, streamed); each layer is calibrated on the GPU that holds it.")
 @click.option("--max-memory", default=None, help="With --device-map: budget per device, e.g. 0=70GiB,1=70GiB,cpu=200GiB.")
+@click.option("--target-bits", type=float, default=None, help="Mixed precision: average bits per weight of the quantized "
+              "linears (scales, zero points, g_idx counted); a scheme per linear by least predicted KL.")
+@click.option("--target-size", default=None, help="Mixed precision: size of the written files, e.g. 2.1GB or 700MiB.")
+@click.option("--sensitivity", "sensitivity", default=None,
+              help="With --target-*: the report of `quantkit sensitivity` to allocate from (default: measured first).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line of stdout.")
 def quantize(model, method, bits, group_size, sym, format_, gguf_type, recipe, dataset, num_samples, seq_len, seed, chat_template,
              ignore, options, output, overwrite, dtype, device, trust_remote_code, max_shard_size, batch_size, eval_after,
              resume, streaming, offload_hessians, desc_act, static_groups, mse, moe_calibration, moe_min_tokens, nproc,
-             dist_timeout, device_map, max_memory, as_json):
+             dist_timeout, device_map, max_memory, target_bits, target_size, sensitivity, as_json):
     """Quantize a model and write a packed checkpoint."""
     from quantkit import api
 
@@ -131,6 +137,7 @@ def quantize(model, method, bits, group_size, sym, format_, gguf_type, recipe, d
         batch_size=batch_size, eval_after=eval_after, progress=not as_json, resume=resume, streaming=streaming,
         gguf_type=gguf_type, moe_calibration=moe_calibration, moe_min_tokens=moe_min_tokens, nproc=nproc,
         dist_timeout=dist_timeout, device_map=device_map, max_memory=max_memory,
+        target_bits=target_bits, target_size=target_size, sensitivity=sensitivity,
     )
     if result is None:  # a rank other than 0 of a torchrun group: rank 0 reports
         return
@@ -348,6 +355,46 @@ def _parse_options(pairs) -> dict:
         key, value = pair.split("=", 1)
         out[key.strip()] = parse_option_value(value.strip())
     return out
+
+
+@cli.command()
+@click.option("--model", default="demo", show_default=True, help="HF folder, hub id, or 'demo'.")
+@click.option("--method", default="gptq", show_default=True, help="The weight quantizer whose errors are measured.")
+@click.option("--format", "format_", default=None, help="gptq or compressed-tensors: whose packed sizes are counted.")
+@click.option("--group-size", default=None, help="Group size of every candidate (default auto).")
+@click.option("--sym/--asym", default=None, help="Symmetric or asymmetric grid (default: the method's usual).")
+@click.option("--candidate-bits", default="2,3,4,8", show_default=True, help="Bit widths measured per linear.")
+@click.option("--dataset", default=None, help="Calibration text for the proxy's Hessians (default lee).")
+@click.option("--num-samples", type=int, default=None, help="Calibration sequences (default 128).")
+@click.option("--seq-len", type=int, default=None, help="Tokens per calibration sequence (default 512).")
+@click.option("--eval-dataset", default=None, help="Held-out text KL is measured on (default: the calibration dataset's).")
+@click.option("--eval-windows", type=int, default=8, show_default=True, help="Held-out windows per KL measurement.")
+@click.option("--eval-seq-len", type=int, default=512, show_default=True)
+@click.option("--sample", type=int, default=8, show_default=True,
+              help="Single linears whose KL is measured at every scheme, to check the proxy.")
+@click.option("--measure-layers/--no-measure-layers", default=True, show_default=True,
+              help="Measure every decoder layer's KL per scheme (calibrates the proxy per layer).")
+@click.option("--output", default=None, help="Report folder (default ./<model>-sensitivity).")
+@click.option("--overwrite", is_flag=True)
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+def sensitivity(model, method, format_, group_size, sym, candidate_bits, dataset, num_samples, seq_len, eval_dataset,
+                eval_windows, eval_seq_len, sample, measure_layers, output, overwrite, trust_remote_code, as_json):
+    """KL increase per linear and decoder layer at each candidate scheme: JSON, PNG and HTML report."""
+    from quantkit import api
+
+    _quiet_libraries()
+    try:
+        bits = tuple(int(b) for b in candidate_bits.split(","))
+    except ValueError:
+        raise QuantkitError(f"--candidate-bits {candidate_bits!r}: give bit widths separated by commas, e.g. 2,3,4,8") from None
+    r = api.sensitivity(model, method, group_size=group_size, sym=sym, format=format_, dataset=dataset,
+                        num_samples=num_samples, seq_len=seq_len, eval_dataset=eval_dataset, eval_windows=eval_windows,
+                        eval_seq_len=eval_seq_len, sample=sample, measure_layers=measure_layers,
+                        candidate_bits=bits, output=output, overwrite=overwrite, trust_remote_code=trust_remote_code,
+                        progress=not as_json)
+    _emit(r, as_json, f"wrote {r['output']} ({r['rows']} rows: {r['linears']} linears x {len(r['schemes'])} schemes; "
+                      f"proxy check {json.dumps(r['proxy_check'])})")
 
 
 def main(argv=None) -> int:
