@@ -46,7 +46,7 @@ def measure_report(hf_model, adapter, plan, schemes: dict, calibration_ids: torc
     costs = candidate_costs(fmt, plan.recipe, shapes, candidates)
     candidates = {n: tuple(s for s in c if s in costs[n]) for n, c in candidates.items()}
     prefix = adapter.layers_prefix(hf_model)
-    measured = measure(hf_model, prefix, candidates, plan.recipe.quantizer, calibration_ids, eval_windows,
+    measured = measure(hf_model, adapter, candidates, plan.recipe.quantizer, calibration_ids, eval_windows,
                        batch_size=batch_size, sample=sample, measure_layers=measure_layers, seed=seed,
                        progress=progress)
     labelled = {n: {scheme_label(s): b for s, b in c.items()} for n, c in costs.items()}

@@ -52,21 +52,41 @@ def layer_of(name: str, layers_prefix: str) -> Optional[int]:
 
 @torch.no_grad()
 def capture_hessians(model: nn.Module, names: list[str], input_ids: torch.Tensor, batch_size: int,
-                     progress: Callable[[str], None] = lambda s: None) -> dict[str, torch.Tensor]:
-    """H = 2/n X^T X of every named linear's full-precision inputs over the calibration ids (one pass)."""
+                     progress: Callable[[str], None] = lambda s: None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """H = 2/n X^T X of every named linear's full-precision inputs over the calibration ids (one pass).
+
+    Linears fed the very same input tensor (q/k/v, gate/up) share one Hessian: returns
+    ({owner: H}, {linear: its owner})."""
     from quantkit.quantizers.gptq_core import HessianAccumulator
 
     modules = dict(model.named_modules())
-    accs = {n: HessianAccumulator(modules[n].in_features) for n in names}
-    hooks = [modules[n].register_forward_pre_hook(lambda m, args, n=n: accs[n].add_batch(args[0])) for n in names]
+    accs: dict[str, HessianAccumulator] = {}
+    owner: dict[str, str] = {}
+    last: dict[str, Any] = {"x": None, "name": None}
+
+    def hook(name, x):
+        if name not in owner:  # first batch: share the previous linear's sum if it saw this very tensor
+            shared = last["x"] is x
+            owner[name] = last["name"] if shared else name
+            if not shared:
+                accs[name] = HessianAccumulator(modules[name].in_features)
+        if owner[name] == name:
+            accs[name].add_batch(x)
+        last["x"], last["name"] = x, owner[name]
+
+    hooks = [modules[n].register_forward_pre_hook(lambda m, args, n=n: hook(n, args[0])) for n in names]
     try:
         for start in range(0, input_ids.shape[0], batch_size):
             progress(f"calibration batch {start // batch_size + 1}/{math.ceil(input_ids.shape[0] / batch_size)}")
             model(input_ids=input_ids[start:start + batch_size], use_cache=False)
+            last["x"] = None
     finally:
         for h in hooks:
             h.remove()
-    return {n: a.hessian() for n, a in accs.items()}
+    missing = [n for n in names if n not in owner]
+    if missing:
+        raise QuantkitError(f"no calibration input reached {missing[0]}; check the dataset")
+    return {n: a.hessian() for n, a in accs.items()}, owner
 
 
 def quantized_weight(quantizer, weight: torch.Tensor, H: torch.Tensor, scheme: LinearScheme) -> torch.Tensor:
@@ -92,55 +112,106 @@ def hessian_error(weight: torch.Tensor, approx: torch.Tensor, H: torch.Tensor) -
 
 
 class KLMeter:
-    """Mean KL(full precision || model) over fixed held-out windows, the full-precision side computed once."""
+    """Mean KL(full precision || model) per scored token over fixed held-out windows.
 
-    def __init__(self, model: nn.Module, windows: torch.Tensor, batch_size: int):
-        from quantkit.baseline_cache import in_memory_baseline
+    The full-precision hidden states entering every decoder layer are kept, so a measurement whose
+    replaced linears all sit in layer i runs layers i.. only (half the model on average); the
+    full-precision side's last hidden states are kept too, its logits recomputed by the head."""
 
-        self.model, self.windows, self.batch_size = model, windows, batch_size
-        self.baseline = in_memory_baseline(model, windows, batch_size)
+    def __init__(self, model: nn.Module, adapter, windows: torch.Tensor, batch_size: int):
+        from quantkit.layer_io import layer_output
+        from quantkit.pipeline.capture import capture_layer_inputs
+
+        self.model, self.adapter, self.windows = model, adapter, windows
+        self.layers = adapter.decoder_layers(model)
+        self.post = [m for _, m in adapter.post_layers(model)]
+        self.head = adapter.lm_head(model)[1]
+        self.prefix = adapter.layers_prefix(model)
         self.forwards = 0
+        cpu = torch.device("cpu")
+        inputs = capture_layer_inputs(model, adapter, windows, batch_size, cpu, cpu)
+        self.kwargs = [kw for _, kw in inputs]
+        self.states = [[h for h, _ in inputs]]  # states[i]: per batch, the hidden states entering layer i
+        for layer in self.layers:
+            self.states.append([layer_output(layer(h, **kw)) for h, kw in zip(self.states[-1], self.kwargs)])
+        self.base_logp = None
+
+    def _logp(self, hidden: torch.Tensor) -> torch.Tensor:
+        for m in self.post:
+            hidden = m(hidden)
+        return torch.log_softmax(self.head(hidden)[:, :-1].float(), dim=-1)
+
+    def _from_layer(self, first: int) -> list[torch.Tensor]:
+        from quantkit.layer_io import layer_output
+
+        out = []
+        for b, kw in enumerate(self.kwargs):
+            h = self.states[first][b]
+            for layer in self.layers[first:]:
+                h = layer_output(layer(h, **kw))
+            out.append(h)
+        return out
 
     @torch.no_grad()
     def kl_with(self, replaced: dict[str, torch.Tensor]) -> float:
         """KL with the named linears' weights replaced (restored afterwards)."""
-        from quantkit.scoring import compare, logits_of
-
         modules = dict(self.model.named_modules())
+        indices = [layer_of(n, self.prefix) for n in replaced]
+        first = 0 if any(i is None for i in indices) else min(indices)
         saved = {n: modules[n].weight.data for n in replaced}
         try:
             for n, w in replaced.items():
                 modules[n].weight.data = w
             self.forwards += 1
-            return float(compare(logits_of(self.model), self.baseline, self.windows, self.batch_size)["kl_mean"])
+            finals = self._from_layer(first) if first < len(self.layers) else self.states[-1]
         finally:
             for n, w in saved.items():
                 modules[n].weight.data = w
+        total, count = 0.0, 0
+        for b, h in enumerate(finals):
+            base = self._logp(self.states[-1][b])
+            ours = self._logp(h)
+            kl = (base.exp() * (base - ours)).sum(-1)
+            total, count = total + float(kl.double().sum()), count + kl.numel()
+        return total / count
 
 
-def measure(model: nn.Module, layers_prefix: str, candidates: dict[str, tuple[LinearScheme, ...]], quantizer,
+def measure(model: nn.Module, adapter, candidates: dict[str, tuple[LinearScheme, ...]], quantizer,
             calibration_ids: torch.Tensor, eval_windows: torch.Tensor, *, batch_size: int = 4, sample: int = 8,
             measure_layers: bool = True, seed: int = 0,
             progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """The sensitivity table of `model` (fp32, in memory): proxies, measurements, predictions, the check."""
     t0 = time.perf_counter()
+    layers_prefix = adapter.layers_prefix(model)
     names = list(candidates)
-    hessians = capture_hessians(model, names, calibration_ids, batch_size, progress)
+    hessians, owner = capture_hessians(model, names, calibration_ids, batch_size, progress)
     modules = dict(model.named_modules())
     labels = sorted({scheme_label(s) for c in candidates.values() for s in c},
                     key=lambda l: [s for c in candidates.values() for s in c if scheme_label(s) == l][0].bits)
     approx: dict[tuple[str, str], torch.Tensor] = {}
     proxy: dict[tuple[str, str], float] = {}
-    for i, name in enumerate(names):
-        progress(f"proxy {i + 1}/{len(names)}: {name}")
-        w = modules[name].weight.data
-        for s in candidates[name]:
-            q = quantized_weight(quantizer, w, hessians[name], s)
-            approx[(name, scheme_label(s))] = q
-            proxy[(name, scheme_label(s))] = hessian_error(w, q, hessians[name])
-    del hessians
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(owner[n], []).append(n)
+    for i, (first, members) in enumerate(groups.items()):
+        progress(f"proxy {i + 1}/{len(groups)}: {', '.join(members)}")
+        H = hessians.pop(first)
+        for label in {scheme_label(s) for n in members for s in candidates[n]}:
+            # linears sharing H and the scheme solved as one stacked matrix (GPTQ treats rows
+            # independently given H), as the GPTQ step does
+            mates = [n for n in members if any(scheme_label(s) == label for s in candidates[n])]
+            s = next(s for s in candidates[mates[0]] if scheme_label(s) == label)
+            w = torch.cat([modules[n].weight.data for n in mates])
+            q = quantized_weight(quantizer, w, H, s)
+            row = 0
+            for n in mates:
+                rows = slice(row, row + modules[n].out_features)
+                row = rows.stop
+                approx[(n, label)] = q[rows].contiguous()
+                proxy[(n, label)] = hessian_error(w[rows], q[rows], H)
+        del H
 
-    meter = KLMeter(model, eval_windows, batch_size)
+    meter = KLMeter(model, adapter, eval_windows, batch_size)
     by_layer: dict[int, list[str]] = {}
     for n in names:
         by_layer.setdefault(layer_of(n, layers_prefix), []).append(n)
