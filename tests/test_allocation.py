@@ -259,3 +259,23 @@ def test_formats_that_cannot_carry_a_mixture_are_refused(tmp_path, tiny_llama_di
     with pytest.raises(QuantkitError, match=why):
         quantkit.quantize(str(tiny_llama_dir), "gptq", format=fmt, group_size=32, num_samples=4, seq_len=32,
                           output=tmp_path / "x", target_bits=4, sensitivity=report_dir, progress=False)
+
+
+def test_compressed_tensors_mixture_matches_its_own_decompressor(tmp_path, tiny_llama_dir, report_dir):
+    """The same report allocates a compressed-tensors run (bytes re-counted for that layout); the
+    mixture is one config group per scheme, which transformers + compressed-tensors decompress."""
+    pytest.importorskip("compressed_tensors")
+    import quantkit
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "ct"
+    result = quantkit.quantize(str(tiny_llama_dir), "gptq", format="compressed-tensors", group_size=32, num_samples=4,
+                               seq_len=32, output=out, target_bits=4.5, sensitivity=report_dir, progress=False)
+    assert len(result["allocation"]["schemes"]) > 1
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert len(groups) == len(result["allocation"]["schemes"])
+    ids = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(2))
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = quantkit.load(out, backend="reference", dtype="float32")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).logits, hf(input_ids=ids).logits, rtol=1e-4, atol=1e-4)

@@ -27,8 +27,9 @@ def table_rows(measured: dict[str, Any], costs: dict[str, dict[str, int]], candi
             if label not in costs[name]:
                 continue
             nbytes = costs[name][label]
-            rows.append({"linear": name, "layer": layer_of(name, layers_prefix), "scheme": label, "bits": s.bits,
-                         "group_size": s.group_size, "sym": s.sym, "bytes": nbytes, "weights": weights,
+            rows.append({"linear": name, "layer": layer_of(name, layers_prefix), "shape": list(shapes[name]),
+                         "scheme": label, "bits": s.bits, "group_size": s.group_size, "sym": s.sym, "bytes": nbytes,
+                         "weights": weights,
                          "bits_per_weight": round(8 * nbytes / weights, 4),
                          "proxy": measured["proxy"][(name, label)],
                          "predicted_kl": measured["predicted"][(name, label)],

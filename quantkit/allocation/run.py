@@ -56,7 +56,8 @@ def measure_report(hf_model, adapter, plan, schemes: dict, calibration_ids: torc
     layers = [{"layer": i, "scheme": label, "measured_kl": kl,
                "predicted_kl": sum(r["predicted_kl"] for r in rows if r["layer"] == i and r["scheme"] == label)}
               for (i, label), kl in sorted(measured["layer_kl"].items(), key=lambda kv: (kv[0][0] or 0, kv[0][1]))]
-    return {"model": model_label, "method": plan.recipe.name, "format": plan.format, **(info or {}),
+    return {"model": model_label, "method": plan.recipe.name, "quantizer": plan.recipe.quantizer.name,
+            "format": plan.format, **(info or {}),
             "schemes": measured["labels"], "calibration_mode": measured["calibration_mode"],
             "measured_forwards": measured["forwards"], "seconds": measured["seconds"],
             "fixed_bytes": fixed_bytes(hf_model, set(schemes), save_dtype),
@@ -80,15 +81,35 @@ def read_report(path) -> dict[str, Any]:
     return report
 
 
+def recost(rows: list[dict[str, Any]], plan) -> list[dict[str, Any]]:
+    """The rows with their bytes counted for this run's format (a report measured for gptq serves a
+    compressed-tensors run too: predicted KL depends on the quantizer, bytes on the layout); rows
+    of a scheme the format cannot store are left out."""
+    from quantkit.allocation.budget import packed_bytes
+    from quantkit.formats import get_format
+
+    fmt, out = get_format(plan.format), []
+    for r in rows:
+        if "shape" not in r:
+            raise QuantkitError("the sensitivity report has no linear shapes (an older report); measure it again")
+        try:
+            nbytes = packed_bytes(fmt, plan.recipe.planned_spec(*r["shape"], mixture.row_scheme(r)))
+        except QuantkitError:
+            continue
+        out.append({**r, "bytes": nbytes, "bits_per_weight": round(8 * nbytes / r["weights"], 4)})
+    return out
+
+
 def choose_mixture(report: dict[str, Any], plan, schemes: dict, *, target_bits: Optional[float] = None,
                    target_size: Optional[str] = None) -> tuple[dict, dict[str, Any]]:
     """The schemes of the linears (name -> LinearScheme) chosen for the budget, and what to record of it."""
     if (target_bits is None) == (target_size is None):
         raise QuantkitError("give one of --target-bits and --target-size")
-    if report.get("format") != plan.format:
-        raise QuantkitError(f"the sensitivity report counts sizes for the {report.get('format')} format, not "
-                            f"{plan.format}; measure it again with --format {plan.format}")
-    rows = [r for r in report["rows"] if r["linear"] in schemes]
+    quantizer = plan.recipe.quantizer.name
+    if report.get("quantizer", quantizer) != quantizer:
+        raise QuantkitError(f"the sensitivity report measured {report['quantizer']}'s errors, but this run quantizes "
+                            f"with {quantizer}; measure it with `quantkit sensitivity --method {plan.recipe.name}`")
+    rows = recost([r for r in report["rows"] if r["linear"] in schemes], plan)
     covered = {r["linear"] for r in rows}
     if covered != set(schemes):
         missing = sorted(set(schemes) - covered)
