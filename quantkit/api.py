@@ -108,7 +108,7 @@ def quantize(
                                      "moe_calibration": moe_calibration, "moe_min_tokens": moe_min_tokens})
     _check_share(plan, comm)
     if output is not None:
-        _on_rank0(comm, lambda: _check_output(Path(output), overwrite, resume))
+        _on_rank0(comm, lambda: _check_output(Path(output), overwrite, resume, model))
     # held in its storage dtype (bf16 halves the resident model); each decoder layer is cast to fp32
     # only while it is calibrated (exact), and capture_layer_inputs runs the embeddings in fp32
     if device_map is not None and comm is not None:
@@ -128,7 +128,7 @@ def quantize(
     serving = vllm_moe_serving(plan, adapter, hf_model, schemes) if experts is not None else None
     if output is None:
         output = _default_output(base_name, plan, schemes)
-        _on_rank0(comm, lambda: _check_output(output, overwrite, resume))
+        _on_rank0(comm, lambda: _check_output(output, overwrite, resume, model))
     output = Path(output)
     input_ids, cal_batch = _calibration_set(plan, hf_model, tokenizer, comm)
     store = _progress_store(output, model, plan, save_dtype, cal_batch, input_ids, resume, comm)
@@ -297,11 +297,13 @@ def _compute_device(device: Optional[str], comm) -> torch.device:
     return rank_device(device)
 
 
-def _check_output(output: Path, overwrite: bool, resume: bool) -> None:
+def _check_output(output: Path, overwrite: bool, resume: bool, model: Optional[str]) -> None:
+    """`model`: the source's name or folder (None: an in-memory model with no folder behind it)."""
     from quantkit.checkpoint import check_output_dir, staging_dir
     from quantkit.progress import ProgressStore
+    from quantkit.sources import resolve_model_path
 
-    check_output_dir(output, overwrite)
+    check_output_dir(output, overwrite, source=Path(resolve_model_path(model)) if model is not None else None)
     ProgressStore(staging_dir(output)).check_leftover(resume)
 
 
@@ -465,7 +467,7 @@ def _record_quality(output: Path, source_model: str, plan, device: Optional[str]
     dataset = plan.calibration.dataset if plan.calibration is not None else None
     eval_set = dataset if isinstance(dataset, (str, Path)) else CALIBRATION_DEFAULTS["dataset"]
     baseline = source_model if source_model == "demo" or Path(source_model).is_dir() else None
-    r = evaluate(output, baseline=baseline, dataset=eval_set, device=device)
+    r = evaluate(output, baseline=baseline, dataset=eval_set, device=device, seq_len=_eval_seq_len(output))
     metrics = {"perplexity dataset": f"{eval_set} (held-out split)", "perplexity tokens": r["tokens"],
                "held-out perplexity": round(r["perplexity"], 4)}
     if baseline is not None:
@@ -477,6 +479,23 @@ def _record_quality(output: Path, source_model: str, plan, device: Optional[str]
                         "top-1 agreement with the original": round(r["top1_agreement"], 5)})
     append_card_metrics(output, metrics)
     return {**metrics, **{k: r[k] for k in ("kl_mean", "kl_p99", "top1_agreement", "baseline_perplexity") if k in r}}
+
+
+EVAL_SEQ_LEN = 512  # evaluate's default window
+
+
+def _eval_seq_len(output: Path) -> int:
+    """quantize --eval's window: evaluate's default, cut to the model's context (with a notice) where
+    that is shorter, as nothing past it would be a meaningful score."""
+    from quantkit.notices import notice
+    from quantkit.scoring import context_length
+
+    limit = context_length(_config_on_disk(output) or {})
+    if limit is not None and limit < EVAL_SEQ_LEN:
+        notice(f"quantkit: --eval scores windows of {limit} tokens, the model's context (max_position_embeddings), "
+               f"not {EVAL_SEQ_LEN}")
+        return limit
+    return EVAL_SEQ_LEN
 
 
 def load(path: Union[str, Path], backend: str = "auto", device: Optional[str] = None, dtype: Optional[str] = None,
@@ -511,9 +530,12 @@ def evaluate(
     `quantkit bench` times); the baseline is always scored by its own forward."""
     from quantkit import data
     from quantkit.runtime.loader import load_tokenizer
-    from quantkit.scoring import compare, logits_of, perplexity, windows_of
+    from quantkit.scoring import check_seq_len, compare, logits_of, perplexity, windows_of
 
     t0 = time.perf_counter()
+    for name in (model, baseline):  # before anything is loaded or scored, where the config is on disk
+        if name is not None and _config_on_disk(name) is not None:
+            check_seq_len(seq_len, _config_on_disk(name), str(name))
     tokenizer = load_tokenizer(str(model))
     windows = windows_of(data.eval_token_stream(dataset, tokenizer), seq_len, max_windows)
     out = {"model": str(model), "dataset": _dataset_label(dataset), "backend": backend, "engine": engine}
@@ -522,6 +544,7 @@ def evaluate(
         base = _baseline_logits(baseline, windows, backend=backend, dtype=dtype, device=device, batch_size=batch_size,
                                 progress=progress, cached=baseline_cache)
     qmodel = load(model, backend=backend, device=device, dtype=dtype)
+    check_seq_len(seq_len, qmodel.config, str(model))  # a GGUF file's context is known only once loaded
     forward = logits_of(qmodel, _engine_fn(qmodel) if engine else None)
     if base is None:
         result = perplexity(qmodel, windows.reshape(-1), seq_len=seq_len, batch_size=batch_size, progress=progress,
@@ -534,6 +557,15 @@ def evaluate(
                    ratio=result["perplexity"] / result["baseline_perplexity"])
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
+
+
+def _config_on_disk(model) -> Optional[dict]:
+    """config.json of a model folder (or the demo's), None for anything else (a GGUF file)."""
+    from quantkit.runtime.loader import read_config
+    from quantkit.sources import resolve_model_path
+
+    folder = Path(resolve_model_path(str(model)))
+    return read_config(folder) if (folder / "config.json").is_file() else None
 
 
 def _dataset_label(dataset) -> str:

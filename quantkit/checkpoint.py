@@ -29,12 +29,30 @@ def staging_dir(output: Path) -> Path:
     return output.parent / f".{output.name}.partial"
 
 
-def check_output_dir(output: Path, overwrite: bool) -> None:
-    """Fail before any work if the destination would clobber the user's files or a leftover run exists."""
+def check_output_dir(output: Path, overwrite: bool, source: Optional[Path] = None) -> None:
+    """Fail before any work if the destination would clobber the user's files (the `source` model
+    among them) or a leftover run exists."""
+    if source is not None:
+        check_not_source(Path(output), Path(source), overwrite)
     if output.exists() and not output.is_dir():
         raise QuantkitError(f"output {output} exists and is not a folder; choose another --output")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         raise QuantkitError(f"output folder {output} is not empty; pass --overwrite or choose another --output")
+
+
+def check_not_source(output: Path, source: Path, overwrite: bool) -> None:
+    """The output replaces its folder wholesale (replace_dir): it must not be the source model, nor a
+    folder holding it, nor (with --overwrite) a non-empty folder inside it, whose files it would delete.
+    A new or empty folder inside the source folder is fine: no source file is touched."""
+    if not source.exists():
+        return  # a hub id: its files live in the hub cache, which no --output names by accident
+    src, out = source.resolve(), output.resolve()
+    if out == src or out in src.parents:
+        raise QuantkitError(f"--output {output} {'is' if out == src else 'contains'} the source model {source}, "
+                            "which writing the output would delete; choose another --output")
+    if overwrite and src in out.parents and out.is_dir() and any(out.iterdir()):
+        raise QuantkitError(f"--output {output} is a non-empty folder inside the source model {source}, which "
+                            "--overwrite would delete; choose another --output")
 
 
 PACKED_DIR = "packed"  # per-layer packed tensors, written during the final write and removed before the rename

@@ -23,6 +23,7 @@ from quantkit.errors import QuantkitError
 from quantkit.formats import format_for_quant_method, get_format
 from quantkit.formats.spec import LinearSpec
 from quantkit.ggml_types import MIXES, TYPES, check_gguf_type
+from quantkit.model_files import check_remote_code
 from quantkit.qtensor import QuantizedWeight
 
 CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -36,11 +37,10 @@ def convert(src: Union[str, Path], format: str, output: Union[str, Path], gguf_t
 
     folder = resolve_checkpoint(str(src))
     output = Path(output)
-    if output.resolve() == folder.resolve():
-        raise QuantkitError("--output is the source folder; choose another --output")
-    check_output_dir(output, overwrite)
+    check_output_dir(output, overwrite, source=folder)
     target = str(format).lower().replace("_", "-")
     cfg = read_config(folder)
+    check_remote_code(folder, cfg, False, None)
     qcfg = cfg.get("quantization_config") or None
     model = _empty_model(folder)
     adapter = experts_as_linears(model)  # MoE experts as the per-expert linears checkpoints store
@@ -70,7 +70,7 @@ def _empty_model(folder: Path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        config = AutoConfig.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         with init_empty_weights():
@@ -86,9 +86,15 @@ def _checkpoint_linears(model, adapter) -> dict[str, nn.Linear]:
 
 
 def _read_state(files) -> dict[str, torch.Tensor]:
+    """Every tensor of the source, each float one finite: convert carries them over (or, into GGUF,
+    rounds them) as they are, so a damaged one is refused here, named with its file."""
+    from quantkit.finite import require_finite
     from quantkit.runtime.loader import read_state_dict
 
-    return read_state_dict(files)
+    state, where = read_state_dict(files, with_files=True)
+    for name, tensor in state.items():
+        require_finite(name, tensor, str(where[name]))
+    return state
 
 
 def _unpack_all(qcfg: dict, model, adapter, state: dict, folder: Path) -> dict[str, QuantizedWeight]:

@@ -17,6 +17,7 @@ import torch
 
 from quantkit.checkpoint import normal_permissions, replace_dir, check_output_dir, model_card
 from quantkit.errors import QuantkitError
+from quantkit.finite import require_finite
 from quantkit.formats import gguf as gguf_format
 from quantkit.formats.spec import LinearSpec
 from quantkit.ggml_types import MIXES, check_gguf_type
@@ -57,6 +58,7 @@ def linear_schemes(model, gguf_type: str, targets: dict[str, LinearScheme],
 def to_planned(p: PlannedTensor, value: Value) -> Value:
     """A float tensor planned as a quantized type is rounded onto it (llama.cpp's rule)."""
     if p.type.quantized and not isinstance(value, QuantizedWeight):
+        require_finite(p.hf_name, value)
         return rtn_on_grid(value.float(), p.type)
     return value
 

@@ -12,12 +12,14 @@ def inspect_checkpoint(path: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from quantkit.formats import get_format
+    from quantkit.model_files import check_remote_code
     from quantkit.runtime.loader import (QUANT_METHOD_TO_FORMAT, experts_as_linears, quantized_specs, read_config,
                                          resolve_checkpoint, safetensors_files, unquantized_config)
     from quantkit.sources import source_dtype
 
     folder = resolve_checkpoint(path)
     cfg = read_config(folder)
+    check_remote_code(folder, cfg, False, None)
     qcfg = cfg.get("quantization_config") or {}
     method = qcfg.get("quant_method")
     if method is not None and method not in QUANT_METHOD_TO_FORMAT:

@@ -31,6 +31,22 @@ from quantkit.errors import QuantkitError
 COMPARE_ROWS = 1024
 
 
+def context_length(config) -> Optional[int]:
+    """The longest sequence a model was built for (its config's max_position_embeddings; a dict of
+    config.json or a transformers config), None when it names none."""
+    n = config.get("max_position_embeddings") if isinstance(config, dict) else getattr(config, "max_position_embeddings", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def check_seq_len(seq_len: int, config, model_name: str) -> None:
+    """Windows longer than the model's context are scored past the positions it was trained on
+    (garbage logits, or an index error for learned positions): refuse them, naming the limit."""
+    limit = context_length(config)
+    if limit is not None and seq_len > limit:
+        raise QuantkitError(f"--seq-len {seq_len} exceeds the context of {model_name} ({limit} tokens, "
+                            f"max_position_embeddings); pass --seq-len {limit} or less")
+
+
 def windows_of(tokens: torch.Tensor, seq_len: int, max_windows: Optional[int] = None) -> torch.Tensor:
     """The first `max_windows` non-overlapping windows of `seq_len` tokens, as [n, seq_len]."""
     n = tokens.numel() // seq_len

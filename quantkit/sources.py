@@ -82,6 +82,10 @@ def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, 
         if cfg.get("quantization_config"):
             method = cfg["quantization_config"].get("quant_method", "?")
             raise QuantkitError(f"{path} is already quantized ({method}); quantize a full-precision model")
+        check_model_folder(p)
+        from quantkit.model_files import check_remote_code
+
+        check_remote_code(p, cfg, trust_remote_code)
     if streaming and not p.is_dir():
         raise QuantkitError(f"streaming needs a local safetensors model folder, not {path}; drop --streaming")
     if device_map is not None and (device_map != "auto" or not p.is_dir() or streaming is False):
@@ -105,7 +109,7 @@ def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, 
             hf_model, layer_source = load_streaming_model(p, dtype or torch.float32, trust_remote_code)
         else:
             hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=trust_remote_code,
-                                                            low_cpu_mem_usage=True)
+                                                            low_cpu_mem_usage=True, use_safetensors=True)
     except QuantkitError:
         raise
     except (OSError, ValueError, RuntimeError) as exc:
@@ -113,6 +117,19 @@ def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, 
     hf_model.eval()
     hf_model.config.source_dtype = str(stored_dtype(path, trust_remote_code)).replace("torch.", "")
     return hf_model, tokenizer, _card_name(model, path), layer_source
+
+
+def check_model_folder(folder: Path) -> None:
+    """Before any loader (transformers', streaming's, placement's) reads `folder`: every symlink in it
+    and every shard its index names stays inside it (quantkit.model_files)."""
+    from quantkit.model_files import check_folder_links, safetensors_shards, single_safetensors
+
+    check_folder_links(folder)
+    if safetensors_shards(folder) is None and single_safetensors(folder) is None:
+        if any(folder.glob("*.bin")) or any(folder.glob("*.pt")) or any(folder.glob("*.pth")):
+            raise QuantkitError(f"{folder} holds only pickle weights (.bin/.pt), which quantkit never loads (unpickling "
+                                "runs code); convert them to safetensors first")
+        raise QuantkitError(f"{folder} has no model.safetensors or model.safetensors.index.json")
 
 
 def _card_name(model: str, path: str) -> str:

@@ -7,7 +7,6 @@ embeddings + one layer + the calibration activations, whatever the model's depth
 """
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,12 +18,16 @@ from quantkit.platform_support import available_memory_bytes, glibc
 
 
 def weight_files(folder: Path) -> dict[str, Path]:
-    """tensor name -> safetensors file, from the index or the single file."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return {k: folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-    single = folder / "model.safetensors"
-    if not single.is_file():
+    """tensor name -> safetensors file, from the index or the single file (every name kept inside
+    `folder` by quantkit.model_files: a hostile index must not make streaming read other files)."""
+    from quantkit.model_files import check_folder_links, safetensors_shards, single_safetensors
+
+    check_folder_links(folder)
+    shards = safetensors_shards(folder)
+    if shards is not None:
+        return shards
+    single = single_safetensors(folder)
+    if single is None:
         raise QuantkitError(f"{folder} has no safetensors weights; streaming needs model.safetensors(.index.json)")
     from safetensors import safe_open
 

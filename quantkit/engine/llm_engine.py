@@ -117,6 +117,13 @@ class LLMEngine:
             return list(self.tokenizer(prompt)["input_ids"])
         return [int(t) for t in prompt]
 
+    @property
+    def max_model_len(self) -> Optional[int]:
+        """The longest sequence (prompt + new tokens) the model was built for: its config's
+        max_position_embeddings (None when the config names none)."""
+        n = getattr(self.runner.config, "max_position_embeddings", None)
+        return n if isinstance(n, int) and n > 0 else None
+
     def add_request(self, prompt: Union[str, Seq[int]], sampling_params: Optional[SamplingParams] = None) -> int:
         """Queue a request; returns its sequence id. It joins the running batch at the next step that has room
         (``step`` returns the Sequence objects, whose ``completion_token_ids`` are the output)."""
@@ -130,6 +137,12 @@ class LLMEngine:
         vocab = self.runner.embed.num_embeddings
         if min(seq.token_ids) < 0 or max(seq.token_ids) >= vocab:
             raise QuantkitError(f"prompt token ids must be in [0, {vocab})")
+        limit = self.max_model_len
+        total = seq.num_prompt_tokens + seq.sampling_params.max_tokens
+        if limit is not None and total > limit:  # as vLLM refuses a request longer than max_model_len
+            raise QuantkitError(f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.sampling_params.max_tokens}) "
+                                f"= {total} exceeds the model's context of {limit} tokens (max_position_embeddings); "
+                                "shorten the prompt or lower max_tokens (--max-new-tokens)")
         window = self.runner.sliding_window
         if window and seq.num_prompt_tokens + seq.sampling_params.max_tokens > window:
             raise QuantkitError(f"this model uses sliding-window attention ({window} tokens), which the engine does "

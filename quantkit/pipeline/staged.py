@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from quantkit.finite import require_finite
 from quantkit.layer_io import StopForward, to_device
 from quantkit.pipeline.residency import check_finite, to_cpu
 from quantkit.qtensor import QuantizedWeight
@@ -26,6 +27,7 @@ def quantize_in_place(ctx: LayerContext, recipe: Recipe, name: str, module) -> Q
     """Quantize one linear and leave it fake-quantized (its weight replaced by the dequantized
     values), which is what everything downstream in the calibration must see. A MoE expert that saw
     too few calibration tokens is quantized without calibration (quantkit.pipeline.experts)."""
+    require_finite(ctx.prefix + name + ".weight", module.weight)  # RTN would round a NaN's group to ~0 silently
     if ctx.experts is not None and ctx.experts.falls_back(name):
         qw = recipe.quantize_uncalibrated(name, module, ctx.schemes[name])
     else:

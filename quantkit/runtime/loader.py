@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError, first_line
+from quantkit.model_files import check_folder_links, check_remote_code, model_file, safetensors_shards, single_safetensors
 
 QUANT_METHOD_TO_FORMAT = {"gptq": "gptq", "compressed-tensors": "compressed-tensors", "awq": "awq"}
 
@@ -31,6 +32,7 @@ def resolve_checkpoint(path: str) -> Path:
         raise QuantkitError(f"model path {path} does not exist; pass a checkpoint folder or 'demo'")
     if not p.is_dir():
         raise QuantkitError(f"{path} is not a folder; pass a checkpoint folder (config.json + *.safetensors)")
+    check_folder_links(p)  # config and tokenizer files are read by transformers: none may lead outside
     return p
 
 
@@ -42,7 +44,8 @@ def gguf_model_file(path: str) -> Optional[Path]:
     if p.is_dir() and (p / "config.json").is_file():
         qcfg = read_config(p).get("quantization_config")
         if isinstance(qcfg, dict) and qcfg.get("quant_method") == "gguf":
-            return p / Path(str(qcfg.get("gguf_file", "model.gguf"))).name
+            check_folder_links(p)
+            return model_file(p, qcfg.get("gguf_file", "model.gguf"), "config.json's gguf_file")
     return None
 
 
@@ -60,26 +63,16 @@ def read_config(folder: Path) -> dict:
 
 
 def safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-            raise QuantkitError(f"{index} is not a valid safetensors index; re-create the checkpoint") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
-            raise QuantkitError(f"{index}: weight_map must map tensor names to shard file names")
-        files = []
-        for name in sorted(set(weight_map.values())):
-            f = (folder / name)
-            if f.resolve().parent != folder.resolve():
-                raise QuantkitError(f"{index} points outside the checkpoint folder ({name})")
-            files.append(f)
-        missing = [f.name for f in files if not f.is_file()]
+    """The checkpoint's safetensors files, every name checked to stay inside `folder` (quantkit.model_files)."""
+    shards = safetensors_shards(folder)
+    if shards is not None:
+        files = sorted(set(shards.values()))
+        missing = [str(f.relative_to(folder)) for f in files if not f.is_file()]
         if missing:
             raise QuantkitError(f"{folder} is missing shard(s) {', '.join(missing)} listed in its index")
         return files
-    single = folder / "model.safetensors"
-    if single.is_file():
+    single = single_safetensors(folder)
+    if single is not None:
         return [single]
     if any(folder.glob("*.bin")) or any(folder.glob("*.pt")) or any(folder.glob("*.pth")):
         raise QuantkitError(f"{folder} holds only pickle weights (.bin/.pt); quantkit loads safetensors only — convert them first")
@@ -193,6 +186,7 @@ def load_model(path: str, backend: str = "auto", device: Optional[str] = None, d
         return model.to(device=torch.device(device or "cpu"), dtype=parse_dtype(dtype) or torch.float32)
     folder = resolve_checkpoint(path)
     cfg = read_config(folder)
+    check_remote_code(folder, cfg, trust_remote_code, "trust_remote_code=True to quantkit.load")
     qcfg = cfg.get("quantization_config")
     files = safetensors_files(folder)
     device = torch.device(device or "cpu")
