@@ -279,3 +279,29 @@ def test_compressed_tensors_mixture_matches_its_own_decompressor(tmp_path, tiny_
     ours = quantkit.load(out, backend="reference", dtype="float32")
     with torch.no_grad():
         torch.testing.assert_close(ours(input_ids=ids).logits, hf(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_cli_refuses_a_budget_below_the_minimum_in_one_line(tmp_path, tiny_llama_dir, report_dir, capsys):
+    from quantkit.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["quantize", "--model", str(tiny_llama_dir), "--method", "gptq", "--group-size", "32", "--num-samples", "4",
+              "--seq-len", "32", "--target-bits", "1", "--sensitivity", str(report_dir), "--output", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "smallest possible" in err and "bits per weight" in err
+
+
+def test_sensitivity_cli_writes_the_report(tmp_path, tiny_llama_dir, capsys):
+    from quantkit.cli import main
+
+    out = tmp_path / "r"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sensitivity", "--model", str(tiny_llama_dir), "--group-size", "32", "--candidate-bits", "2,4",
+              "--num-samples", "2", "--seq-len", "16", "--eval-windows", "1", "--eval-seq-len", "16", "--sample", "1",
+              "--no-measure-layers", "--output", str(out), "--json"])
+    assert exit_info.value.code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["rows"] == 14 * 2 and summary["calibration_mode"] == "scheme"
+    assert {p.name for p in out.iterdir()} == {"sensitivity.json", "sensitivity_heatmap.png", "sensitivity_size_kl.png",
+                                               "sensitivity.html"}
