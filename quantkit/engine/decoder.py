@@ -31,9 +31,10 @@ from quantkit.models.layout import GATED, LAYER, RMS, DecoderLayout
 
 def matmul_fn(module: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     """`module` (a projection) as a plain callable on [N, in] activations in `dtype`, computing
-    exactly what its forward does: ``F.linear`` for an ``nn.Linear`` (threaded by output rows where
-    that is bit-equal, see engine.sliced_linear), the backend's direct entry for a ``QuantLinear``,
-    the module itself otherwise (and for a hooked one, e.g. accelerate's offload)."""
+    what its forward does: ``F.linear`` for an ``nn.Linear`` (threaded by output rows where a probe on
+    this machine finds that bit-equal, see engine.sliced_linear; a few fp32 rows through the C kernel,
+    within fp32 rounding of it but not bit-equal, see few_rows_linear_fn), the backend's direct entry
+    for a ``QuantLinear``, the module itself otherwise (and for a hooked one, e.g. accelerate's offload)."""
     from quantkit.runtime.quant_linear import QuantLinear
 
     if is_plain_linear(module):
