@@ -71,6 +71,10 @@ def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, 
     looks_local = p.exists() or path.startswith((".", "/", "~")) or path.count("/") > 1
     if looks_local and not p.exists():
         raise QuantkitError(f"model path {path} does not exist; pass an HF folder, a .gguf file, a hub id or 'demo'")
+    if not looks_local:
+        snapshot = cached_snapshot(path)
+        if snapshot is not None:  # transformers will read this snapshot: the same checks as a folder
+            check_model_folder(snapshot)
     if p.is_dir():
         cfg_file = p / "config.json"
         if not cfg_file.is_file():
@@ -117,6 +121,18 @@ def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, 
     hf_model.eval()
     hf_model.config.source_dtype = str(stored_dtype(path, trust_remote_code)).replace("torch.", "")
     return hf_model, tokenizer, _card_name(model, path), layer_source
+
+
+def cached_snapshot(repo_id: str) -> Optional[Path]:
+    """The Hugging Face cache's snapshot folder of `repo_id` (the revision its config.json resolves
+    to), None when it is not cached or not a valid repository id."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # noqa: BLE001 - an id huggingface_hub rejects is transformers' to report
+        return None
+    return Path(found).parent if isinstance(found, str) else None
 
 
 def check_model_folder(folder: Path) -> None:

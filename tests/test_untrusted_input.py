@@ -431,3 +431,22 @@ def test_pickle_weights_are_never_loaded(tmp_path, tiny_llama_dir):
         with pytest.raises(QuantkitError, match="pickle weights"):
             call()
     assert not marker.exists()
+
+
+def test_hub_id_snapshot_is_checked(tmp_path, sharded_plain):
+    """A hub id resolved offline from the cache: its snapshot gets the folder checks (a shard linked
+    to another repository's blob is refused), and a clean snapshot quantizes."""
+    hub = tmp_path / "hub"
+    snapshot = fake_hub_cache(hub, sharded_plain)
+    env = {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = run_cli("quantize", "--model", "org/tiny", "--method", "rtn", "--group-size", "32",
+                   "--output", tmp_path / "good", env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    outside = tmp_path / "elsewhere.safetensors"
+    index = json.loads((snapshot / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    shutil.copy(snapshot / shard, outside)
+    (snapshot / shard).unlink()
+    (snapshot / shard).symlink_to(outside)
+    proc = run_cli("quantize", "--model", "org/tiny", "--method", "rtn", "--output", tmp_path / "bad", env=env)
+    assert proc.returncode == 2 and "outside the model folder" in proc.stderr and shard in proc.stderr, proc.stderr[-2000:]
