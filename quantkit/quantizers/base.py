@@ -1,7 +1,8 @@
 """The recipe-step contract and its registry.
 
 A recipe is an ordered list of steps: any number of *transforms* (SmoothQuant smoothing, AWQ
-scales, ...) then one *weight quantizer* (RTN, GPTQ, ...). Each step is a plugin that knows nothing
+scales, ...), then one *weight quantizer* (RTN, GPTQ, ...), then any number of *refiners* (sign-
+gradient rounding), which improve a quantized layer's weights together. Each step is a plugin that knows nothing
 of the others; `quantkit.quantizers.recipe.Recipe` composes them for the calibration pipeline,
 which knows nothing of any one method. A new method is one file with one subclass decorated by
 `@register_step`; the Python API also accepts an instance of a user's own subclass. Steps never
@@ -189,9 +190,26 @@ class Quantizer(Step):
         """Forget what was observed for `name` (it is being quantized without it)."""
 
 
+class Refiner(Step):
+    """A step after the weight quantizer that improves a whole decoder layer's quantized weights
+    together (sign-gradient rounding: quantkit.quantizers.signround), against the layer's output.
+
+    It runs once the quantizer has quantized every linear of the layer and before the layer's outputs
+    become the next layer's inputs; the recipe then runs the layer again for them (so a recipe with
+    a refiner is calibrated stage by stage, never inside one forward)."""
+
+    kind = "refiner"
+
+    def refine_layer(self, ctx: LayerContext, results: dict[str, QuantizedWeight], device,
+                     compute_dtype: torch.dtype) -> dict[str, QuantizedWeight]:
+        """`results` (full names -> the quantizer's weights, on the CPU) improved; the layer's linears
+        left fake-quantized with what it returns."""
+        raise NotImplementedError
+
+
 def register_step(cls: type[Step]) -> type[Step]:
-    if not cls.name or cls.kind not in ("transform", "quantizer"):
-        raise ValueError("a recipe step class needs a `name` and must derive from Transform or Quantizer")
+    if not cls.name or cls.kind not in ("transform", "quantizer", "refiner"):
+        raise ValueError("a recipe step class needs a `name` and must derive from Transform, Quantizer or Refiner")
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -216,5 +234,5 @@ def get_quantizer(name: str, **options) -> Step:
 def _import_builtin() -> None:
     import importlib
 
-    for module in ("rtn", "gptq", "awq", "smoothquant"):
+    for module in ("rtn", "gptq", "awq", "smoothquant", "signround"):
         importlib.import_module(f"quantkit.quantizers.{module}")

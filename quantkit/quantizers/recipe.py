@@ -1,9 +1,10 @@
-"""A recipe: transforms, then one weight quantizer, composed into what the calibration pipeline runs.
+"""A recipe: transforms, then one weight quantizer, then refiners, composed into what the calibration pipeline runs.
 
 Steps know nothing of each other; the recipe is the one place that orders them. Per decoder layer
 the pipeline calls `begin_layer` (every transform, in order, then the quantizer), feeds `observe`
 to every step that observes, asks the quantizer for each linear and lets every transform
-`finalize` the result, then `end_layer`. A method name is a recipe too: `awq` is the AWQ transform
+`finalize` the result, lets every refiner improve the layer's results together (`refine_layer`),
+then `end_layer`. A method name is a recipe too: `awq` is the AWQ transform
 finished by round-to-nearest, `smoothquant` the smoothing transform finished by RTN int8 weights.
 """
 from __future__ import annotations
@@ -15,25 +16,31 @@ from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.qtensor import LinearSpec, QuantizedWeight
-from quantkit.quantizers.base import LayerContext, Quantizer, Step, Transform, step_class
+from quantkit.quantizers.base import LayerContext, Quantizer, Refiner, Step, Transform, step_class
 from quantkit.scheme import LinearScheme
 
 
 class Recipe:
-    """An ordered, validated list of steps: transforms first, one weight quantizer last."""
+    """An ordered, validated list of steps: transforms first, one weight quantizer, then refiners."""
 
     def __init__(self, steps: Sequence[Step]):
         steps = tuple(steps)
-        if not steps or not isinstance(steps[-1], Quantizer):
-            last = type(steps[-1]).__name__ if steps else "nothing"
-            raise QuantkitError(f"a recipe ends with one weight quantizer (rtn, gptq), not {last}; add one last")
-        misplaced = [s.name for s in steps[:-1] if not isinstance(s, Transform)]
+        n_refiners = 0
+        while n_refiners < len(steps) and isinstance(steps[len(steps) - 1 - n_refiners], Refiner):
+            n_refiners += 1
+        head, refiners = steps[:len(steps) - n_refiners], steps[len(steps) - n_refiners:]
+        if not head or not isinstance(head[-1], Quantizer):
+            last = type(head[-1]).__name__ if head else "nothing"
+            raise QuantkitError(f"a recipe has one weight quantizer (rtn, gptq) after its transforms and before its "
+                                f"refiners, not {last}; add one")
+        misplaced = [s.name for s in head[:-1] if not isinstance(s, Transform)]
         if misplaced:
-            raise QuantkitError(f"a recipe holds one weight quantizer, last; {misplaced[0]!r} comes before "
-                                f"{steps[-1].name!r}: keep one of them")
+            raise QuantkitError(f"a recipe holds one weight quantizer, after the transforms; {misplaced[0]!r} comes "
+                                f"before {head[-1].name!r}: keep one of them, or put a refiner after it")
         self.steps = steps
-        self.transforms: tuple[Transform, ...] = steps[:-1]  # type: ignore[assignment]
-        self.quantizer: Quantizer = steps[-1]  # type: ignore[assignment]
+        self.transforms: tuple[Transform, ...] = head[:-1]  # type: ignore[assignment]
+        self.quantizer: Quantizer = head[-1]  # type: ignore[assignment]
+        self.refiners: tuple[Refiner, ...] = refiners  # type: ignore[assignment]
 
     @classmethod
     def of(cls, method: Union["Recipe", Step, type]) -> "Recipe":
@@ -51,7 +58,7 @@ class Recipe:
     # -- what the plan needs before any model is loaded -----------------------------------------
     @property
     def name(self) -> str:
-        if len(self.steps) == 2 and self.quantizer.name == "rtn":
+        if len(self.steps) == 2 and self.quantizer.name == "rtn" and self.transforms:
             return self.transforms[0].name  # awq, smoothquant: a transform finished by rounding
         return "+".join(s.name for s in self.steps)
 
@@ -92,7 +99,7 @@ class Recipe:
         """The method and its options, for the model card and the run's fingerprint."""
         if len(self.steps) == 1:
             return self.quantizer.describe()
-        if self.name == self.transforms[0].name:  # a transform finished by rounding (awq, smoothquant)
+        if self.transforms and self.name == self.transforms[0].name:  # a transform finished by rounding (awq)
             return {**self.transforms[0].describe(), "weights": "rtn"}
         return {"method": self.name, **{s.name: s.options for s in self.steps}}
 
@@ -130,7 +137,8 @@ class Recipe:
         return self.quantizer.stages(ctx)
 
     def quantize_in_forward(self) -> bool:
-        return self.quantizer.quantize_in_forward() and not self.needs_reference_inputs
+        # a refiner needs the layer's inputs after its linears are quantized, which one forward consumes
+        return self.quantizer.quantize_in_forward() and not self.needs_reference_inputs and not self.refiners
 
     def begin_layer(self, ctx: LayerContext) -> None:
         for s in self.steps:
@@ -159,6 +167,14 @@ class Recipe:
         for t in self.transforms:
             qw = t.finalize(name, qw)
         return qw
+
+    def refine_layer(self, ctx: LayerContext, results: dict[str, QuantizedWeight], device,
+                     compute_dtype: torch.dtype) -> dict[str, QuantizedWeight]:
+        """The layer's quantized results as the refiners leave them, in order (the results unchanged
+        when the recipe has none)."""
+        for r in self.refiners:
+            results = r.refine_layer(ctx, results, device, compute_dtype)
+        return results
 
     def end_layer(self, ctx: LayerContext) -> None:
         for s in self.steps:

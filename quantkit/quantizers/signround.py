@@ -1,0 +1,307 @@
+"""Sign-gradient rounding (auto-round's SignRound) as a refiner: a decoder layer's quantized weights
+tuned together against the layer's output, after the weight quantizer has solved them one by one.
+
+Why: GPTQ (and GPTAQ) fix each linear's codes in one column sweep against that linear's own output;
+nothing looks at what the layer as a whole computes through its nonlinearities (softmax, SiLU gate).
+SignRound (Cheng et al., "Optimize Weight Rounding via Signed Gradient Descent", auto-round) runs a
+few hundred steps of signed-gradient descent on each weight's rounding offset and each group's range
+against the block's output. Here it starts from the quantizer's solution instead of round-to-nearest.
+
+Per target linear, with the quantizer's codes q, zeros z, fp16 scales s and the unquantized weight W:
+
+    scale' = fp16(s * a)                       a: one factor per group, in `scale_range`
+    code   = clamp(round((q - z) + W/scale' - W/s + V), -z, 2**bits - 1 - z)     V: one per weight
+    W_q    = scale' * code
+
+round and fp16 go through straight-through estimators. At V = 0, a = 1 the middle terms are exactly
+zero (the same division of the same numbers), so the start *is* the quantizer's solution, bit for
+bit. V is bounded by `offset_range` (1: a code may move one step either way).
+
+The loss is auto-round's: the squared difference between the quantized layer's output on the
+quantized model's inputs and the unquantized layer's output on the unquantized model's inputs, so
+each layer also learns to undo what the layers before it lost (as GPTAQ does for each linear).
+Steps follow auto-round: signed steps, lr = `lr` (default 1/iters as auto-round, scaled by
+`lr_scale`) decaying linearly to 0. Unlike auto-round, which keeps the step with the lowest loss on
+its own training batch, the state kept is the one with the lowest loss on sequences held out of
+the steps (`holdout_per_shard` of every shard of the calibration set), the start included: the
+layer never ends worse than the quantizer left it on those rows.
+
+Determinism and data parallelism: the calibration set's fixed shards (quantkit.reduction's leaves)
+each give `samples_per_step / LEAVES` sequences to every step, in a fixed rotation; each shard's
+gradient (with respect to the layer's dequantized weights) comes from its own forward/backward and
+the shards' gradients are added as the fixed binary tree (Comm.tree_sum_), held-out losses in
+shard order (Comm.ordered_sum). So 1, 2, 4 or 8 ranks, and a resumed run, take the same steps and
+write the same bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.layer_io import layer_output, slice_rows, to_device
+from quantkit.qtensor import QuantizedWeight
+from quantkit.quantizers.base import LayerContext, Refiner, register_step
+from quantkit.reduction import LEAVES, SampleLayout
+
+SCALE_DTYPE = torch.float16  # the storage dtype of scales (quantkit.quantizers.grid's convention)
+START_WITHIN = 0.499  # |offset inside the bin| at the start: strictly inside, so the start rounds to q - z
+
+
+@dataclass
+class TunedLinear:
+    """One linear's tuning state: the quantizer's solution, constants derived from it, the parameters."""
+
+    name: str  # relative to the layer
+    qw: QuantizedWeight  # the quantizer's result (on the compute device)
+    weight: torch.Tensor  # the unquantized weight [N, K], fp32
+    columns: torch.Tensor  # group of each input column (long [K])
+    start: torch.Tensor  # q - z plus the position inside the bin, as float [N, K]
+    weight_over_scale: torch.Tensor  # W / s per column [N, K]
+    low: torch.Tensor  # lowest signed code per column, -z [N, K]
+    high: torch.Tensor  # highest, 2**bits - 1 - z
+    offset: torch.Tensor  # V [N, K], the rounding offsets tuned
+    factor: torch.Tensor  # a [N, G], the per-group scale factors tuned
+
+    @classmethod
+    def start_from(cls, name: str, qw: QuantizedWeight, weight: torch.Tensor, device) -> "TunedLinear":
+        if qw.offsets is not None or qw.two_level is not None:
+            raise QuantkitError(f"signround tunes integer grids with a zero point; {name} is on a float-offset "
+                                "(GGUF) grid: drop signround from the recipe for GGUF output")
+        qw = qw.to(device)
+        columns = qw.g_idx.long()
+        zeros = qw.zeros.float().index_select(1, columns)
+        scale = qw.scales.float().index_select(1, columns)
+        weight = weight.detach().to(device=device, dtype=torch.float32)
+        over = weight / scale
+        # where round-to-nearest's position lies in its bin, carried into the quantizer's bin: the
+        # positions are spread over the bins as auto-round's are, so the signed steps flip codes one by
+        # one, not all at once (from the bins' centres every offset would cross a boundary together)
+        within = (over - torch.round(over)).clamp_(-START_WITHIN, START_WITHIN)
+        return cls(name=name, qw=qw, weight=weight, columns=columns, start=(qw.qweight.float() - zeros) + within,
+                   weight_over_scale=over, low=-zeros, high=float((1 << qw.bits) - 1) - zeros,
+                   offset=torch.zeros_like(weight), factor=torch.ones_like(qw.scales, dtype=torch.float32))
+
+    def scales(self, factor: torch.Tensor) -> torch.Tensor:
+        """fp16-representable group scales s * a (straight-through: the gradient of s * a)."""
+        scale = self.qw.scales.float() * factor
+        return scale + (scale.to(SCALE_DTYPE).float() - scale).detach()
+
+    def codes(self, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        """Signed codes (q - z) as float, rounding straight-through, clamped to the grid."""
+        x = self.start + (self.weight / scale.index_select(1, self.columns) - self.weight_over_scale) + offset
+        x = x + (torch.round(x) - x).detach()
+        return torch.minimum(torch.maximum(x, self.low), self.high)
+
+    def dequantized(self, factor: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        scale = self.scales(factor)
+        return scale.index_select(1, self.columns) * self.codes(scale, offset)
+
+    @torch.no_grad()
+    def result(self, factor: torch.Tensor, offset: torch.Tensor) -> QuantizedWeight:
+        """The QuantizedWeight of these parameters (on the CPU)."""
+        scale = self.scales(factor)
+        q = self.codes(scale, offset) - self.low  # + z
+        return replace(self.qw, qweight=q.to(torch.uint8), scales=scale.clone()).to("cpu")
+
+
+@register_step
+class SignRoundRefiner(Refiner):
+    name = "signround"
+    # the loss compares with the unquantized layer's output on the unquantized model's inputs
+    needs_reference_inputs = True
+    options_spec = {
+        "iters": 50,  # signed steps per layer (auto-round: 200 by default, 50 at its light setting)
+        "lr": None,  # first step size; None: lr_scale / iters
+        "lr_scale": 1.0,  # auto-round's 1 / iters, times this
+        "samples_per_step": 8,  # calibration sequences per step (auto-round's batch of 8), a multiple of 8
+        "holdout_per_shard": 1,  # sequences of each of the 8 shards held out to choose the state kept
+        "eval_every": 5,  # steps between held-out evaluations (and after the last)
+        "offset_range": 0.5,  # |V| bound (auto-round's): a code moves at most one step from the quantizer's
+        "scale_range": [0.8, 1.25],  # bounds of the per-group scale factor a; [1, 1] keeps the scales
+    }
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        o = self.options
+        for key in ("iters", "samples_per_step", "holdout_per_shard", "eval_every"):
+            if isinstance(o[key], bool) or not isinstance(o[key], int) or o[key] < (0 if key == "iters" else 1):
+                raise QuantkitError(f"signround option {key} must be a positive integer, got {o[key]!r}")
+        if o["samples_per_step"] % LEAVES:
+            raise QuantkitError(f"signround option samples_per_step must be a multiple of {LEAVES} (one share per "
+                                f"calibration shard), got {o['samples_per_step']}")
+        for key in ("lr", "lr_scale", "offset_range"):
+            v = o[key]
+            if not (v is None and key == "lr") and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+                raise QuantkitError(f"signround option {key} must be a positive number, got {v!r}")
+        rng = o["scale_range"]
+        if (not isinstance(rng, (list, tuple)) or len(rng) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in rng)
+                or not 0 < rng[0] <= 1 <= rng[1]):
+            raise QuantkitError(f"signround option scale_range must be [low, high] with 0 < low <= 1 <= high, got {rng!r}")
+        self.log: list[dict] = []  # per layer: held-out loss at the start and of the state kept
+
+    def check_scheme(self, scheme) -> None:
+        if getattr(scheme, "grid", None):
+            raise QuantkitError("signround tunes integer grids with a zero point, not GGUF's block grids; "
+                                "drop it from the recipe for GGUF output")
+
+    def step_size(self, t: int) -> float:
+        o = self.options
+        lr = float(o["lr"]) if o["lr"] is not None else float(o["lr_scale"]) / max(1, int(o["iters"]))
+        return lr * (1.0 - t / int(o["iters"]))
+
+    def refine_layer(self, ctx: LayerContext, results: dict[str, QuantizedWeight], device,
+                     compute_dtype: torch.dtype) -> dict[str, QuantizedWeight]:
+        if ctx.experts is not None:
+            raise QuantkitError("signround does not tune MoE layers (their routing differs between the quantized "
+                                "and unquantized streams); drop it from the recipe for this model")
+        if ctx.reference_layer is None or ctx.reference_inputs is None or ctx.samples is None:
+            raise QuantkitError("signround needs the unquantized layer and its inputs; the pipeline gave none")
+        if int(self.options["iters"]) == 0:
+            return results
+        run = _LayerRun(self, ctx, device, compute_dtype)
+        params = [p for p in ctx.layer.parameters() if p.requires_grad]
+        for p in params:
+            p.requires_grad_(False)
+        try:
+            tuned = run.tune(results)
+        finally:
+            for p in params:
+                p.requires_grad_(True)
+        for name, qw in tuned.items():
+            module = ctx.layer.get_submodule(name[len(ctx.prefix):])
+            module.weight.data = qw.dequantize(module.weight.dtype).to(module.weight.device)
+        return {**results, **tuned}
+
+
+class _LayerRun:
+    """One layer's tuning: which sequences each step and the held-out evaluation use, and the loop."""
+
+    def __init__(self, step: SignRoundRefiner, ctx: LayerContext, device, compute_dtype):
+        self.step, self.ctx, self.device, self.dtype = step, ctx, device, compute_dtype
+        layout: SampleLayout = ctx.samples
+        self.comm = layout.comm
+        o = step.options
+        holdout = int(o["holdout_per_shard"])
+        per_shard = int(o["samples_per_step"]) // LEAVES
+        self.shards = []  # this rank's shards: (training windows per step, held-out range)
+        for a, b in zip(layout.leaves, layout.leaves[1:]):
+            train = (b - a) - holdout
+            if train < 1:
+                raise QuantkitError(f"signround holds out {holdout} sequence(s) of each of the {LEAVES} calibration "
+                                    f"shards and trains on the rest; {layout.n_samples} sequences leave a shard with "
+                                    f"{b - a}: use --num-samples {LEAVES * (holdout + 1)} or more")
+            m = min(per_shard, train)
+            self.shards.append(([(a + w * m, a + (w + 1) * m) for w in range(train // m)], (a + train, b)))
+        self.batches = layout.batches
+        # the unquantized layer's outputs on the unquantized inputs: the targets
+        with torch.no_grad():
+            self.targets = [layer_output(ctx.reference_layer(to_device(h, device).to(compute_dtype),
+                                                             **to_device(kw, device))) for h, kw in ctx.reference_inputs]
+
+    def pieces(self, start: int, stop: int):
+        """Global sequences [start, stop) as (batch index, first row, last row) of this rank's batches."""
+        out = []
+        for k, (a, b) in enumerate(self.batches):
+            lo, hi = max(a, start), min(b, stop)
+            if hi > lo:
+                out.append((k, lo - a, hi - a))
+        return out
+
+    def piece_loss(self, weights: dict[str, torch.Tensor], k: int, lo: int, hi: int) -> torch.Tensor:
+        hidden, kwargs = self.ctx.inputs[k]
+        n, seq = hidden.shape[0], hidden.shape[1] if hidden.dim() > 2 else 1
+        x = to_device(hidden[lo:hi], self.device).to(self.dtype)
+        kw = to_device(slice_rows(kwargs, lo, hi, n, seq), self.device)
+        out = layer_output(torch.func.functional_call(self.ctx.layer, weights, (x,), kw))
+        return (out.float() - self.targets[k][lo:hi].float()).pow(2).sum()
+
+    @torch.no_grad()
+    def held_out_loss(self, weights: dict[str, torch.Tensor]) -> float:
+        """Mean squared output error over every rank's held-out sequences (shard order: rank-invariant)."""
+        per_shard = []
+        elements = 0
+        for _, (a, b) in self.shards:
+            total = 0.0
+            for k, lo, hi in self.pieces(a, b):
+                total += float(self.piece_loss(weights, k, lo, hi))
+                elements += self.targets[k][lo:hi].numel()
+            per_shard.append(total)
+        n = self.comm.sum_ints([elements])[0]
+        return self.comm.ordered_sum(per_shard) / max(1, n)
+
+    def tune(self, results: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+        ctx, o = self.ctx, self.step.options
+        linears = [TunedLinear.start_from(n[len(ctx.prefix):], qw, ctx.reference_layer.get_submodule(
+            n[len(ctx.prefix):]).weight, self.device) for n, qw in results.items()]
+        keys = [f"{t.name}.weight" for t in linears]
+        lo, hi = (float(v) for v in o["scale_range"])
+        bound = float(o["offset_range"])
+        iters, every = int(o["iters"]), int(o["eval_every"])
+
+        def current(grad: bool) -> list[torch.Tensor]:
+            with torch.set_grad_enabled(grad):
+                return [t.dequantized(t.factor, t.offset) for t in linears]
+
+        start_loss = best_loss = self.held_out_loss(dict(zip(keys, current(False))))
+        best = [(t.factor.clone(), t.offset.clone()) for t in linears]
+        best_step = 0
+        for t in linears:
+            t.factor.requires_grad_(lo < hi)
+            t.offset.requires_grad_(True)
+        for step in range(iters):
+            w = current(True)
+            leaves = [x.detach().requires_grad_(True) for x in w]
+            weights = dict(zip(keys, leaves))
+            grad = self.tree_gradient(weights, leaves, step)
+            torch.autograd.backward(w, list(_split_like(grad, leaves)))
+            lr = self.step_size(step)
+            with torch.no_grad():
+                for t in linears:
+                    t.offset.sub_(t.offset.grad.sign(), alpha=lr).clamp_(-bound, bound)
+                    t.offset.grad = None
+                    if t.factor.grad is not None:
+                        t.factor.sub_(t.factor.grad.sign(), alpha=lr).clamp_(lo, hi)
+                        t.factor.grad = None
+            if (step + 1) % every == 0 or step + 1 == iters:
+                loss = self.held_out_loss(dict(zip(keys, current(False))))
+                if loss < best_loss:
+                    best_loss, best_step = loss, step + 1
+                    best = [(t.factor.detach().clone(), t.offset.detach().clone()) for t in linears]
+        self.step.log.append({"layer": ctx.index, "held_out_start": start_loss, "held_out_best": best_loss,
+                              "best_step": best_step})
+        return {ctx.prefix + t.name: t.result(f, v) for t, (f, v) in zip(linears, best)}
+
+    def step_size(self, t: int) -> float:
+        return self.step.step_size(t)
+
+    def tree_gradient(self, weights: dict[str, torch.Tensor], leaves: list[torch.Tensor], step: int) -> torch.Tensor:
+        """The step's loss gradient with respect to the dequantized weights, flattened: one
+        forward/backward per shard (its window of this step), the shards added as the fixed binary
+        tree, then across the ranks by the same tree."""
+        stack: list[tuple[int, torch.Tensor]] = []
+        for windows, _ in self.shards:
+            a, b = windows[step % len(windows)]
+            shard = None
+            for k, lo, hi in self.pieces(a, b):
+                with torch.enable_grad():
+                    loss = self.piece_loss(weights, k, lo, hi)
+                    grads = torch.autograd.grad(loss, leaves)
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                shard = flat if shard is None else shard.add_(flat)
+            level = 0
+            while stack and stack[-1][0] == level:
+                shard = stack.pop()[1].add_(shard)
+                level += 1
+            stack.append((level, shard))
+        (_, root), = stack
+        return self.comm.tree_sum_(root)
+
+
+def _split_like(flat: torch.Tensor, like: list[torch.Tensor]):
+    start = 0
+    for t in like:
+        yield flat[start:start + t.numel()].view_as(t)
+        start += t.numel()
