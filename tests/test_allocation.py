@@ -305,3 +305,13 @@ def test_sensitivity_cli_writes_the_report(tmp_path, tiny_llama_dir, capsys):
     assert summary["rows"] == 14 * 2 and summary["calibration_mode"] == "scheme"
     assert {p.name for p in out.iterdir()} == {"sensitivity.json", "sensitivity_heatmap.png", "sensitivity_size_kl.png",
                                                "sensitivity.html"}
+
+
+def test_target_size_parsing():
+    from quantkit.allocation.budget import parse_size
+
+    assert parse_size("2.1GB") == 2_100_000_000
+    assert parse_size("700MiB") == 700 * 2**20
+    assert parse_size("123456") == 123456
+    with pytest.raises(QuantkitError, match="not a size"):
+        parse_size("2.1 gigs")
