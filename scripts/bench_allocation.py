@@ -54,7 +54,11 @@ def main() -> int:
     report = json.loads((sens / "sensitivity.json").read_text())
     default = next(l for l in report["schemes"] if l.startswith("w4"))
     uniform = report["uniform"][default]
-    common = dict(num_samples=args.num_samples, seq_len=args.seq_len, overwrite=True, progress=False)
+    from quantkit.plan import resolve_plan
+
+    calibrates = resolve_plan(args.method).calibration is not None  # RTN reads no data: no calibration flags
+    common = dict(overwrite=True, progress=False,
+                  **(dict(num_samples=args.num_samples, seq_len=args.seq_len) if calibrates else {}))
     runs = {}
     out_u = work / f"uniform-{default}"
     if not (out_u / "config.json").exists():
@@ -67,7 +71,8 @@ def main() -> int:
     alloc = result["allocation"]
     runs["uniform " + default] = (out_u, uniform["predicted_kl"], uniform["bits_per_weight"])
     runs["allocated"] = (out_m, alloc["predicted_kl"], alloc["bits_per_weight"])
-    print(f"\nmodel {args.model}, {args.method}, calibration {args.num_samples} x {args.seq_len} lee; sensitivity on "
+    print(f"\nmodel {args.model}, {args.method}, calibration {args.num_samples} x {args.seq_len} lee (the proxy's "
+          f"Hessians{', and the method' if calibrates else ''}); sensitivity on "
           f"{report['eval']['windows']} x {report['eval']['seq_len']} held-out lee, calibrated per "
           f"{report['calibration_mode']}; proxy check: {json.dumps(report['proxy_check'])}")
     print(f"allocated schemes: {alloc['schemes']}")
