@@ -461,6 +461,7 @@ def _record_quality(output: Path, source_model: str, plan, device: Optional[str]
     """Score the written checkpoint (through the real packed runtime) against the model it came from, on
     the held-out split of the calibration dataset (the default's for in-memory data or a method that
     reads none), and add the figures to its model card."""
+    from quantkit.card_metadata import eval_model_index
     from quantkit.checkpoint import append_card_metrics
     from quantkit.plan import CALIBRATION_DEFAULTS
 
@@ -477,7 +478,7 @@ def _record_quality(output: Path, source_model: str, plan, device: Optional[str]
                            if r["kl_mean_stderr"] is not None else {}),
                         "KL divergence to the original (99th percentile)": round(r["kl_p99"], 5),
                         "top-1 agreement with the original": round(r["top1_agreement"], 5)})
-    append_card_metrics(output, metrics)
+    append_card_metrics(output, metrics, eval_model_index(eval_set, r, against_original=baseline is not None))
     return {**metrics, **{k: r[k] for k in ("kl_mean", "kl_p99", "top1_agreement", "baseline_perplexity") if k in r}}
 
 

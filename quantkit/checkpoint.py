@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from quantkit import __version__
+from quantkit.card_metadata import front_matter, is_hub_id, render_front_matter, with_model_index
 from quantkit.errors import QuantkitError
 from quantkit.formats import get_format
 from quantkit.formats.spec import LinearSpec
@@ -290,10 +291,13 @@ def moe_card_section(moe: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def append_card_metrics(folder: Path, metrics: dict[str, Any]) -> None:
-    """Add a "Measured" section to an existing model card (atomic replace)."""
+def append_card_metrics(folder: Path, metrics: dict[str, Any], model_index: Optional[dict[str, Any]] = None) -> None:
+    """Add a "Measured" section to an existing model card (atomic replace); `model_index`
+    ({"dataset": name, "metrics": [(type, name, value), ...]}) also goes into its Hub metadata."""
     card = folder / "README.md"
     text = card.read_text().rstrip("\n") + "\n\n## Measured\n\n" + "".join(f"- {k}: {v}\n" for k, v in metrics.items())
+    if model_index is not None:
+        text = with_model_index(text, folder.name, model_index["dataset"], model_index["metrics"])
     tmp = card.with_suffix(".md.tmp")
     tmp.write_text(text)
     os.replace(tmp, card)
@@ -307,17 +311,18 @@ def _activations_line(specs: dict[str, LinearSpec]) -> str:
 
 def model_card(base_model: str, format_name: str, method: dict[str, Any], qcfg: dict, specs: dict[str, LinearSpec]) -> str:
     """The checkpoint's README; measured quality is appended later by `append_card_metrics`."""
+    from quantkit.formats.loaders import loaders_checked
+
     bits = sorted({s.bits for s in specs.values()})
     groups = sorted({s.group_size for s in specs.values()})
     tags = ["quantkit", method.get("method", "quantized"), format_name] + [f"{b}-bit" for b in bits]
-    front = ["---", f"base_model: {base_model}", "library_name: transformers", "pipeline_tag: text-generation", "tags:"]
-    front += [f"- {t}" for t in dict.fromkeys(tags)]
-    front.append("---")
+    front = [render_front_matter(front_matter(base_model, tags, method.get("calibration"))).rstrip("\n")]
+    source = f"[{base_model}](https://huggingface.co/{base_model})" if is_hub_id(base_model) else f"`{base_model}`"
     lines = [
         "",
         f"# {Path(base_model).name} — {method.get('method', '?').upper()} {'/'.join(map(str, bits))}-bit",
         "",
-        f"Quantized from [{base_model}](https://huggingface.co/{base_model}) with quantkit {__version__}.",
+        f"Quantized from {source} with quantkit {__version__}.",
         "",
         "## Quantization",
         "",
@@ -332,6 +337,6 @@ def model_card(base_model: str, format_name: str, method: dict[str, Any], qcfg: 
         if k != "method":
             lines.append(f"- {k}: `{v}`")
     lines += ["", "## Use", "", "```python", "import quantkit", "model = quantkit.load(\"PATH\")", "```", "",
-              "The folder also loads with `transformers` (gptq/awq through their integrations, compressed-tensors "
-              "through the `compressed-tensors` package) and with vLLM.", ""]
+              "Other loaders, as quantkit's support matrix (docs/support-matrix.md) found them for this layout:", ""]
+    lines += [f"- {line}" for line in loaders_checked(format_name, specs.values())] + [""]
     return "\n".join(front + lines)

@@ -1,0 +1,100 @@
+"""The checkpoint's model card carries Hub metadata that huggingface_hub's own parser reads.
+
+The oracle is `huggingface_hub.ModelCard` (what the Hub and `push_to_hub` use): the card must parse,
+`base_model` must appear only for a hub source (a local folder has no hub page), `license` and
+`language` come from the source where it states them, `datasets` names the calibration data, and
+`model-index` holds exactly the figures `quantize --eval` measured, and only when it ran.
+"""
+import shutil
+
+import pytest
+from huggingface_hub import ModelCard
+
+import quantkit
+from quantkit.card_metadata import front_matter, render_front_matter
+
+
+@pytest.fixture(scope="module")
+def licensed_source(tiny_llama_dir, tmp_path_factory):
+    """The tiny model with a README stating a license and languages, as a Hub model folder has."""
+    folder = tmp_path_factory.mktemp("licensed") / "tiny"
+    shutil.copytree(tiny_llama_dir, folder)
+    (folder / "README.md").write_text("---\nlicense: mit\nlanguage:\n- en\n- fr\ndatasets:\n- some/pretraining-set\n"
+                                      "---\n\n# tiny\n")
+    return folder
+
+
+def test_local_source_card_parses_without_base_model_or_model_index(tiny_llama_dir, tmp_path):
+    out = tmp_path / "rtn"
+    quantkit.quantize(str(tiny_llama_dir), "rtn", bits=4, group_size=32, output=out, progress=False)
+    card = ModelCard.load(out / "README.md")
+    data = card.data.to_dict()
+    assert "base_model" not in data and "base_model_relation" not in data
+    assert "license" not in data and "language" not in data  # the folder states neither
+    assert "datasets" not in data  # RTN reads no calibration data
+    assert "model-index" not in data and card.data.eval_results is None
+    assert data["tags"] == ["quantkit", "rtn", "gptq", "4-bit"]
+    assert data["library_name"] == "transformers" and data["pipeline_tag"] == "text-generation"
+    assert "huggingface.co" not in card.text  # no link to a hub page that does not exist
+    assert f"`{tiny_llama_dir}`" in card.text
+
+
+def test_eval_run_carries_license_language_and_model_index(licensed_source, tmp_path):
+    out = tmp_path / "rtn"
+    summary = quantkit.quantize(str(licensed_source), "rtn", bits=4, group_size=32, output=out, eval_after=True,
+                                progress=False)
+    card = ModelCard.load(out / "README.md")
+    data = card.data.to_dict()
+    assert "base_model" not in data
+    assert data["license"] == "mit" and data["language"] == ["en", "fr"]
+    assert "datasets" not in data  # the calibration data's (none for RTN), never the source's pretraining sets
+    results = card.data.eval_results
+    assert [r.metric_type for r in results] == ["perplexity", "kl_divergence", "kl_divergence_p99", "top1_agreement"]
+    assert {r.dataset_name for r in results} == {"lee (held-out split)"}
+    assert {r.task_type for r in results} == {"text-generation"}
+    by_type = {r.metric_type: r.metric_value for r in results}
+    m = summary["metrics"]
+    assert by_type["perplexity"] == pytest.approx(m["held-out perplexity"], abs=1e-4)
+    assert by_type["kl_divergence"] == pytest.approx(m["kl_mean"], abs=1e-5)
+    assert by_type["kl_divergence_p99"] == pytest.approx(m["kl_p99"], abs=1e-5)
+    assert by_type["top1_agreement"] == pytest.approx(m["top1_agreement"], abs=1e-5)
+    assert "## Measured" in card.text  # the human-readable section stays
+
+
+def test_hub_source_gets_base_model_and_the_cached_license(tmp_path, monkeypatch):
+    """A hub id is the one source with a hub page; its license comes from its README in the local
+    Hugging Face cache (no network), laid out as huggingface_hub lays it out."""
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "hub" / "models--org--model" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "README.md").write_text("---\nlicense: other\nlicense_name: org-license\nlicense_link: LICENSE\n"
+                                        "language: en\n---\n")
+    (tmp_path / "hub" / "models--org--model" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--model" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    data = ModelCard(render_front_matter(front_matter("org/model", ["quantkit", "gptq"], "wikitext2"))).data.to_dict()
+    assert data["base_model"] == "org/model" and data["base_model_relation"] == "quantized"
+    assert (data["license"], data["license_name"], data["license_link"]) == ("other", "org-license", "LICENSE")
+    assert data["language"] == ["en"]
+    assert data["datasets"] == ["wikitext"]  # the registry's hub id for wikitext2
+    uncached = ModelCard(render_front_matter(front_matter("org/other", ["quantkit"], None))).data.to_dict()
+    assert uncached["base_model"] == "org/other" and "license" not in uncached and "datasets" not in uncached
+
+
+def test_a_local_folder_named_like_a_hub_id_is_local(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    data = ModelCard(render_front_matter(front_matter("tiny", ["quantkit"], "my-data.txt"))).data.to_dict()
+    assert "base_model" not in data and "datasets" not in data
+
+
+@pytest.mark.parametrize("dataset,listed", [("lee", ["gensim lee_background corpus"]),
+                                            ("wiki", ["gensim enwiki-latest-pages-articles1 sample"]),
+                                            ("c4", ["allenai/c4"]), ("corpus.txt", None), (None, None)])
+def test_datasets_names_the_calibration_data(tmp_path, monkeypatch, dataset, listed):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "src").mkdir()
+    data = ModelCard(render_front_matter(front_matter("src", ["quantkit"], dataset))).data.to_dict()
+    assert data.get("datasets") == listed
