@@ -3,7 +3,7 @@
 
 Each variant fake-quantizes the demo model in memory through the real pipeline (the exact weights
 its packed checkpoint dequantizes to; see tests/test_external_oracle.py) with the scheme and
-calibration of the README's defaults table (w4g64 symmetric, 64 x 512 Lee calibration tokens, seed
+calibration of docs/defaults.yaml (w4g64 symmetric, 64 x 512 Lee calibration tokens, seed
 0 unless the variant says otherwise), and scores it against the original on two held-out texts:
 Lee's held-out split (news, all of it: 12 windows of 512) and `--wiki-windows` windows of 512 of
 wiki's (Wikipedia). Columns: mean and 99th-percentile KL divergence per token, top-1 agreement,

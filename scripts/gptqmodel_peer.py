@@ -21,7 +21,7 @@ Methods (GPTQModel's own defaults unless a flag says otherwise; the JSON reports
 On CPU GPTQModel loads the model in bfloat16 unless --dtype says otherwise (its auto_dtype);
 "model_dtype" in the JSON says which. bfloat16 needs a CPU with native bfloat16 support to be quick: on 2
 AMD EPYC cores with AVX2 only (2026-12-05) its AWQ took ~6 min per layer of the demo (3 hours in all),
-against 41-58 CPU minutes for all 30 layers on the AVX-512 / AMX machine of the README's rows. --dtype
+against 41-58 CPU minutes for all 30 layers on the AVX-512 / AMX machine of docs/benchmarks.md's rows. --dtype
 float32 does not help AWQ: GPTQModel 7.7 refuses to pack it (AwqTorchLinear takes float16 / bfloat16 only).
 The last stdout line is one JSON object; "seconds" is the quantize() call only, "scheme" is read back from
 the saved quantization config.

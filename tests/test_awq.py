@@ -393,7 +393,7 @@ def test_output_clip_objective_is_an_awq_option():
     model = build("llama")
     schemes = schemes_for(model)
     plain, output = AWQTransform(clip_search_tokens=0, clip_objective="group"), AWQTransform(clip_search_tokens=0)
-    assert output.options["clip_objective"] == "output"  # the default (README defaults table)
+    assert output.options["clip_objective"] == "output"  # the default (docs/defaults.yaml)
     transform_only(model, plain, calib_ids(), schemes, stop_after=0)
     transform_only(build("llama"), output, calib_ids(), schemes, stop_after=0)
     a, b = plain.search_log[0]["clip"], output.search_log[0]["clip"]
@@ -613,7 +613,7 @@ def test_float_inputs_are_the_original_models_hidden_states_and_quantized_ones_a
 def test_the_recipe_settles_which_stream_layers_are_calibrated_on():
     from quantkit.quantizers.recipe import build_recipe
 
-    assert build_recipe("awq", {}).calibrates_on_float_inputs  # the default, measured (README)
+    assert build_recipe("awq", {}).calibrates_on_float_inputs  # the default, measured (docs/defaults.yaml)
     assert not build_recipe("awq", {"inputs": "quantized"}).calibrates_on_float_inputs
     assert not build_recipe("awq,gptq", {}).calibrates_on_float_inputs  # GPTQ's Hessians: the quantized stream
     assert not build_recipe("gptq", {}).calibrates_on_float_inputs

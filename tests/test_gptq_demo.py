@@ -37,7 +37,7 @@ def test_rtn_default_range_search_beats_plain_rtn(demo_bench):
     """RTN's default (each group's range searched for its lowest rounding error, no data) against plain
     min/max RTN, the grid llm-compressor's RTN uses. Both are deterministic (no calibration), so the
     only noise is the held-out sample. Measured at this size: 0.4106 against 0.4365 (0.94x; at full size
-    0.404 / 0.382 against 0.436 / 0.436 on lee / wiki, README), so 0.97 asks for half of that gain."""
+    0.404 / 0.382 against 0.436 / 0.436 on lee / wiki, docs/defaults.yaml), so 0.97 asks for half of that gain."""
     searched = kl(demo_bench, "rtn")
     plain = kl(demo_bench, "rtn", mse=False)
     print(f"\nKL to the original on held-out lee: rtn {searched:.4f} (plain min/max {plain:.4f})")

@@ -319,9 +319,9 @@ class AWQTransform(Transform):
         "clip": True,  # search and apply per-group weight clipping
         "clip_n_grid": 20,
         "clip_max_shrink": 0.5,  # ratios 1.0 down to (not including) 1 - max_shrink
-        "clip_search_tokens": 4096,  # strided token sample for the clip error (AutoAWQ's 512: README defaults table)
+        "clip_search_tokens": 4096,  # strided token sample for the clip error (AutoAWQ's 512: docs/defaults.yaml)
         # "output": AutoAWQ's per-(row, group) choice, then coordinate descent on each row's whole output
-        # error, cross terms between groups included (search_clip; README defaults table); "group": AutoAWQ's
+        # error, cross terms between groups included (search_clip; docs/defaults.yaml); "group": AutoAWQ's
         "clip_objective": "output",
         # the symmetric grid the searches simulate and the finishing RTN rounds on (grid.SYM_RANGES):
         # AutoAWQ's absmax/7, which keeps the salient weights the scales enlarge exact
@@ -332,7 +332,7 @@ class AWQTransform(Transform):
         "inputs": "float",
         # also search v -> o under grouped-query attention, one scale per v row shared by the o columns it
         # feeds (AutoAWQ and llm-compressor skip the group: o is then only clipped); measured worse on
-        # the demo (README defaults table), so opt-in
+        # the demo (docs/defaults.yaml), so opt-in
         "gqa_v_o": False,
     }
 

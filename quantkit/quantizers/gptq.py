@@ -33,12 +33,12 @@ class GPTQQuantizer(Quantizer):
         "block_size": 128,
         # act-order with static groups: columns in descending Hessian-diagonal order, group scales fixed
         # up front from the original weights, so g_idx stays trivial and every runtime loads it.
-        # Measured on the demo (w4g64 sym, 64 x 512 Lee calibration): see the README's defaults table
+        # Measured on the demo (w4g64 sym, 64 x 512 Lee calibration): see docs/defaults.yaml
         "desc_act": True,
         "static_groups": True,
         "true_sequential": True,
         # each group's range shrunk to its lowest rounding error (grid.find_qparams): lower KL on both
-        # held-out texts (README's defaults table), computed once per group with static groups
+        # held-out texts (docs/defaults.yaml), computed once per group with static groups
         "mse": True,
         "offload_hessians": False,
         # GPTAQ: quantize each linear to reproduce the unquantized model's output from the quantized

@@ -29,7 +29,7 @@ MSE_COARSE_STEP = 4
 #   exact    scale = absmax/(2**(b-1) - 1) (absmax/7), AutoAWQ's and GPTQModel's AWQ: +-absmax land
 #            on codes +-7 exactly (code -8 goes unused), a 7 % coarser step. AWQ scales its salient
 #            input channels up until they hold their groups' largest weights, which this grid keeps
-#            exact (README's defaults table has the measurement).
+#            exact (docs/defaults.yaml has the measurement).
 SYM_RANGES = ("centred", "exact")
 
 
@@ -122,7 +122,7 @@ def find_qparams(x: torch.Tensor, bits: int, sym: bool, mse: bool = False,
     With coarse_step s > 1 the search first tries every s-th factor, then the s - 1 factors on each
     side of each row's best coarse one: (n/s + 2s - 2) trials instead of n (27 of 80 at s = 4).
     The error as a function of p is jagged (values cross rounding boundaries), so this can settle
-    on a neighbouring local minimum; the README's defaults table has what that costs in KL
+    on a neighbouring local minimum; docs/defaults.yaml has what that costs in KL
     (nothing measurable) and saves in time. coarse_step=1 is the reference's exhaustive loop."""
     if not mse:
         return compute_qparams(x, bits, sym, sym_range=sym_range)

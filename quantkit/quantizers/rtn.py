@@ -15,7 +15,7 @@ class RTNQuantizer(Quantizer):
     observes = False
     # mse: each group's range shrunk to the one with the lowest rounding error (still no data), by
     # GPTQ's coarse-to-fine search: lower KL than plain min/max on both held-out texts and than
-    # llm-compressor's RTN (README's defaults table); mse=false is plain min/max round-to-nearest
+    # llm-compressor's RTN (docs/defaults.yaml); mse=false is plain min/max round-to-nearest
     # sym_range: where a symmetric grid puts +-absmax (quantizers.grid.SYM_RANGES); awq finishes on
     # "exact", the grid its searches simulate
     options_spec = {"mse": True, "sym_range": "centred"}
