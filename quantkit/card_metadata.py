@@ -16,8 +16,10 @@ from typing import Any, Optional
 
 import yaml
 
-# a hub repo id: "name" or "owner/name" (what from_pretrained resolves on the Hub), never a local path
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+# a hub repo id "owner/name", never a local path. A bare name is not taken for one: an in-memory
+# model without a name_or_path is named by its model_type ("llama"), and the Hub's few legacy
+# unowned repos (gpt2) now live under an owner too
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,7 @@ class SourceFacts:
 
 
 def is_hub_id(name: str) -> bool:
-    """True for a hub repo id that is not also a local path (a folder named like an id is local)."""
+    """True for an "owner/name" hub repo id that is not also a local path (a folder named like an id is local)."""
     return bool(_HUB_ID.match(name)) and not Path(name).exists() and not name.endswith(".gguf")
 
 

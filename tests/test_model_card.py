@@ -85,9 +85,17 @@ def test_hub_source_gets_base_model_and_the_cached_license(tmp_path, monkeypatch
 
 def test_a_local_folder_named_like_a_hub_id_is_local(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "tiny").mkdir()
-    data = ModelCard(render_front_matter(front_matter("tiny", ["quantkit"], "my-data.txt"))).data.to_dict()
+    (tmp_path / "org" / "model").mkdir(parents=True)
+    data = ModelCard(render_front_matter(front_matter("org/model", ["quantkit"], "my-data.txt"))).data.to_dict()
     assert "base_model" not in data and "datasets" not in data
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama", "in-memory llama (weights sha256 ab12)", "./gone/model.gguf"])
+def test_names_that_are_not_hub_ids_get_no_base_model(tmp_path, monkeypatch, name):
+    """A bare name (an in-memory model's model_type, a folder that is gone) or a description has no hub page."""
+    monkeypatch.chdir(tmp_path)
+    data = ModelCard(render_front_matter(front_matter(name, ["quantkit"], None))).data.to_dict()
+    assert "base_model" not in data
 
 
 @pytest.mark.parametrize("dataset,listed", [("lee", ["gensim lee_background corpus"]),
