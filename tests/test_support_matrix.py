@@ -1,0 +1,36 @@
+"""The model card states the loaders checked for the layout it describes, from the support matrix
+(quantkit.formats.loaders); tests/test_vllm.py checks the matrix's vLLM rows against vLLM itself."""
+from quantkit.checkpoint import model_card
+from quantkit.formats import loaders
+from quantkit.formats.spec import LinearSpec
+
+
+def _specs(**kw):
+    return {"model.layers.0.mlp.down_proj": LinearSpec(576, 1536, **{"bits": 4, "group_size": 64, **kw})}
+
+
+def _card(fmt, **kw):
+    return model_card("HuggingFaceTB/SmolLM2-135M-Instruct", fmt, {"method": "gptq"}, {"quant_method": fmt}, _specs(**kw))
+
+
+def test_default_gptq_card_says_vllm_loads_it():
+    card = _card("gptq", sym=True, act_order="static")
+    assert f"- {loaders.VLLM}: loads the folder unmodified" in card
+    assert "GPTQModel" in card
+
+
+def test_refused_layouts_say_why():
+    assert "refuses it" in _card("gptq", sym=False) and "asymmetric" in _card("gptq", sym=False)
+    assert "no longer supported" in _card("gptq", act_order="dynamic")
+    assert loaders.vllm_refusal("gptq", _specs(act_order="dynamic", group_size=-1).values()) is None
+
+
+def test_asymmetric_compressed_tensors_card_does_not_claim_transformers():
+    card = _card("compressed-tensors", sym=False)
+    assert "does not load asymmetric" in card
+    assert "transformers 5.25 + compressed-tensors 0.20: loads" in _card("compressed-tensors", sym=True)
+
+
+def test_gguf_card_names_llama_cpp_only():
+    lines = loaders.loaders_checked("gguf", _specs().values())
+    assert len(lines) == 1 and lines[0].startswith("llama.cpp")
