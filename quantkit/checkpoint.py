@@ -287,7 +287,8 @@ def moe_card_section(moe: dict[str, Any]) -> str:
                          f"{r['tokens_max']} | {left} |")
     lines += ["", f"Per-expert counts: `{MOE_REPORT}`. Experts are stored per expert (`experts.{{e}}.<projection>`); "
               "transformers loads them from compressed-tensors only (its gptq and awq integrations have no "
-              "per-expert path), quantkit.load and vLLM from every layout.", ""]
+              "per-expert path) and quantkit.load from every layout; the vLLM kernel above is read from vLLM's "
+              "code, not loaded in a test (docs/support-matrix.md).", ""]
     return "\n".join(lines)
 
 
