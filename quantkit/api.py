@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import shutil
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -22,10 +23,32 @@ def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
     return {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
+@dataclass(frozen=True)
+class QuantizeResult(Mapping):
+    """What `quantize` did: the checkpoint folder, the plan it ran (with the calibration tokens' shape,
+    source and SHA-256), the measured quality when `eval_after=True` (else None), and the JSON summary
+    `quantize --json` prints. Reading it as a mapping reads the summary (`result["seconds"]`)."""
+
+    output: Path
+    plan: Any  # quantkit.plan.QuantizePlan
+    metrics: Optional[dict[str, Any]]
+    summary: dict[str, Any]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.summary[key]
+
+    def __iter__(self):
+        return iter(self.summary)
+
+    def __len__(self) -> int:
+        return len(self.summary)
+
+
 def quantize(
-    model: str = "demo",
+    model: Union[str, Path, nn.Module] = "demo",
     method: Union[str, list, Step, None] = None,
     *,
+    tokenizer: Any = None,
     bits: Optional[int] = None,
     group_size: Union[int, str, None] = None,
     sym: Optional[bool] = None,
@@ -59,8 +82,18 @@ def quantize(
     target_bits: Optional[float] = None,
     target_size: Optional[str] = None,
     sensitivity: Union[str, Path, None] = None,
-) -> Optional[dict[str, Any]]:
-    """Quantize `model` with `method` and write a packed checkpoint; returns a summary dict.
+) -> Optional[QuantizeResult]:
+    """Quantize `model` with `method` and write a packed checkpoint; returns a `QuantizeResult`.
+
+    `model` is a folder, a .gguf file, a hub id, "demo", or an in-memory transformers model, which
+    is left untouched: quantkit calibrates a CPU copy (one more copy of the weights in memory; pass
+    the folder to avoid it). Its tokenizer is `tokenizer`, else the one in `model.name_or_path`
+    when that is a local folder; `tokenizer` also overrides a folder's own. `dataset` is anything
+    quantkit.calibration_sources accepts: a name or file, a list of strings or chat conversations,
+    a datasets.Dataset, token tensors, {"input_ids"} batches, a DataLoader or iterable of them.
+    Token rows of one length are used as given unless `num_samples`/`seq_len` ask for another
+    shape; ragged rows are packed into windows. The same tokens give the same bytes whatever
+    container carried them; the model card records their SHA-256.
 
     `method` is a step name (`gptq`), several (`awq,gptq` or a list: transforms, then one weight
     quantizer), or a `Step` instance; `recipe` a YAML recipe (path or bundled name) that the other
@@ -91,10 +124,17 @@ def quantize(
     args = dict(locals())
     from quantkit.models import get_adapter
     from quantkit.plan import resolve_plan
-    from quantkit.sources import load_source_model, parse_dtype, source_dtype
+    from quantkit.sources import in_memory_identity, parse_dtype, source_dtype
     from quantkit.streaming import bounded_heap
 
     t0 = time.perf_counter()
+    in_memory = isinstance(model, nn.Module)
+    if in_memory and (nproc not in (None, 1) or _launched()):
+        raise QuantkitError("data-parallel ranks each load the model themselves; pass its folder instead of the "
+                            "in-memory model, or drop nproc")
+    if isinstance(model, Path):
+        model = args["model"] = str(model)
+    source_ref = _in_memory_folder(model) if in_memory else model  # the folder the output must not replace
     comm = _join_run(args)
     if comm is _SPAWNED:
         from quantkit.launch import run_local_ranks
@@ -108,15 +148,14 @@ def quantize(
                                      "moe_calibration": moe_calibration, "moe_min_tokens": moe_min_tokens})
     _check_share(plan, comm)
     if output is not None:
-        _on_rank0(comm, lambda: _check_output(Path(output), overwrite, resume, model))
+        _on_rank0(comm, lambda: _check_output(Path(output), overwrite, resume, source_ref))
     # held in its storage dtype (bf16 halves the resident model); each decoder layer is cast to fp32
     # only while it is calibrated (exact), and capture_layer_inputs runs the embeddings in fp32
     if device_map is not None and comm is not None:
         raise QuantkitError("--device-map and data-parallel ranks do not combine yet: each rank calibrates on one "
                             "device; drop one of them")
-    hf_model, tokenizer, base_name, layer_source = load_source_model(
-        model, dtype=None, trust_remote_code=trust_remote_code, streaming=streaming, device_map=device_map,
-        max_memory=_max_memory(max_memory))
+    hf_model, tokenizer, base_name, layer_source = _source_model(model, tokenizer, trust_remote_code, streaming,
+                                                                 device_map, max_memory)
     save_dtype = parse_dtype(dtype) or source_dtype(hf_model.config)
     adapter = get_adapter(hf_model)
     experts = _expert_policy(plan, adapter, hf_model, layer_source, comm)
@@ -128,10 +167,11 @@ def quantize(
     serving = vllm_moe_serving(plan, adapter, hf_model, schemes) if experts is not None else None
     if output is None:
         output = _default_output(base_name, plan, schemes)
-        _on_rank0(comm, lambda: _check_output(output, overwrite, resume, model))
+        _on_rank0(comm, lambda: _check_output(output, overwrite, resume, source_ref))
     output = Path(output)
-    input_ids, cal_batch = _calibration_set(plan, hf_model, tokenizer, comm)
-    store = _progress_store(output, model, plan, save_dtype, cal_batch, input_ids, resume, comm)
+    plan, input_ids, cal_batch = _calibration_set(plan, hf_model, tokenizer, comm)
+    store = _progress_store(output, in_memory_identity(hf_model) if in_memory else model, plan, save_dtype,
+                            cal_batch, input_ids, resume, comm)
     job = dict(device=_compute_device(device, comm), batch_size=cal_batch or 1, progress=progress and lead,
                store=store, layer_source=layer_source, experts=experts, stats={}, comm=comm)
     if serving is not None:
@@ -148,7 +188,7 @@ def quantize(
     metrics = None
     if eval_after:
         del hf_model
-        metrics = _record_quality(output, model, plan, device)
+        metrics = _record_quality(output, None if in_memory else model, plan, device)
     summary = {**_summary(output, plan, schemes, layer_source, cal_batch, t0, metrics), **({"moe": moe} if moe else {}),
                **({"ranks": comm.world, "collective_bytes": dict(comm.traffic)} if comm is not None else {}),
                **({"placement": layer_source.placement()} if device_map is not None else {})}
@@ -157,7 +197,7 @@ def quantize(
 
         record_allocation(output, report, allocation)
         summary["allocation"] = {k: v for k, v in allocation.items() if k != "choice"}
-    return summary
+    return QuantizeResult(output=output, plan=plan, metrics=metrics, summary=summary)
 
 
 def _allocation(args: dict, plan, schemes: dict, layer_source, comm, hf_model, save_dtype):
@@ -178,6 +218,31 @@ def _allocation(args: dict, plan, schemes: dict, layer_source, comm, hf_model, s
                          target_size=args["target_size"], sensitivity=args["sensitivity"],
                          fixed=fixed_bytes(hf_model, set(schemes), save_dtype),
                          trust_remote_code=args["trust_remote_code"], progress=args["progress"])
+
+
+def _launched() -> bool:
+    from quantkit.pipeline.distributed import launched_world
+
+    return launched_world() > 1
+
+
+def _source_model(model, tokenizer, trust_remote_code: bool, streaming, device_map, max_memory):
+    """(model, tokenizer, name for the card, layer source or None): a folder/file/hub id is loaded as
+    stored; an in-memory model is copied (quantkit.sources.copy_in_memory_model). A given tokenizer wins."""
+    from quantkit.sources import copy_in_memory_model, load_source_model
+
+    if isinstance(model, nn.Module):
+        return (*copy_in_memory_model(model, tokenizer, streaming=streaming, device_map=device_map), None)
+    hf_model, own_tokenizer, base_name, layer_source = load_source_model(
+        model, dtype=None, trust_remote_code=trust_remote_code, streaming=streaming, device_map=device_map,
+        max_memory=_max_memory(max_memory))
+    return hf_model, tokenizer if tokenizer is not None else own_tokenizer, base_name, layer_source
+
+
+def _in_memory_folder(model: nn.Module) -> Optional[str]:
+    """The local folder an in-memory model was loaded from, if any (the output must not replace it)."""
+    name = getattr(model, "name_or_path", "") or ""
+    return name if name and Path(name).is_dir() else None
 
 
 def _expert_policy(plan, adapter, hf_model, layer_source, comm=None):
@@ -340,24 +405,33 @@ def _default_output(base_name: str, plan, schemes: dict) -> Path:
 
 
 def _calibration_set(plan, hf_model, tokenizer, comm=None):
-    """The calibration token ids [num_samples, seq_len] and sequences per forward (None, None without
-    data). In a data-parallel run rank 0 draws them and every rank receives the same ids."""
-    from quantkit import data
+    """(plan, calibration token ids [num_samples, seq_len], sequences per forward); the plan's calibration
+    then records the tokens' real shape, source and hash (quantkit.calibration_sources). (plan, None, None)
+    without data. In a data-parallel run rank 0 draws the tokens and every rank receives the same."""
+    from dataclasses import replace
+
+    from quantkit.calibration_sources import CalibrationTokens, calibration_tokens, check_vocabulary
     from quantkit.pipeline import calibration_batch_size
 
     c = plan.calibration
     if c is None:
-        return None, None
-    draw = lambda: data.calibration_batches(c.dataset, tokenizer, num_samples=c.num_samples,  # noqa: E731
-                                            seq_len=c.seq_len, seed=c.seed, chat_template=c.chat_template)
+        return plan, None, None
+    draw = lambda: calibration_tokens(c.dataset, tokenizer, num_samples=c.given("num_samples"),  # noqa: E731
+                                      seq_len=c.given("seq_len"), seed=c.seed, chat_template=c.chat_template)
     if comm is None:
-        ids = draw()
+        tokens = draw()
     else:
         from safetensors.torch import load, save
 
-        ids = load(comm.from_rank0(lambda: save({"ids": draw().contiguous()})))["ids"]
+        drawn = {}
+        ids = load(comm.from_rank0(lambda: save({"ids": drawn.setdefault("t", draw()).input_ids.contiguous()})))["ids"]
+        source = comm.from_rank0(lambda: drawn["t"].source.encode()).decode()
+        tokens = CalibrationTokens(ids, source)
+    check_vocabulary(tokens.input_ids, hf_model.get_input_embeddings().num_embeddings)
+    c = c.with_tokens(tokens)
+    _check_share(replace(plan, calibration=c), comm)
     batch = c.batch_size or calibration_batch_size(hf_model.config, plan.recipe, c.num_samples, c.seq_len)
-    return ids, batch
+    return replace(plan, calibration=c), tokens.input_ids, batch
 
 
 def _progress_store(output: Path, model: str, plan, save_dtype, batch_size, input_ids, resume: bool, comm=None):
@@ -452,22 +526,25 @@ def _rss_mb() -> Optional[float]:
 
 def _digest(input_ids: Optional[torch.Tensor]) -> Optional[str]:
     """Identifies the exact calibration tokens, so --resume refuses a run fed different data."""
-    if input_ids is None:
-        return None
-    return hashlib.sha256(input_ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
+    from quantkit.calibration_sources import tokens_sha256
+
+    return None if input_ids is None else tokens_sha256(input_ids)
 
 
-def _record_quality(output: Path, source_model: str, plan, device: Optional[str]) -> dict[str, Any]:
+def _record_quality(output: Path, source_model: Optional[str], plan, device: Optional[str]) -> dict[str, Any]:
     """Score the written checkpoint (through the real packed runtime) against the model it came from, on
     the held-out split of the calibration dataset (the default's for in-memory data or a method that
-    reads none), and add the figures to its model card."""
+    reads none), and add the figures to its model card. An in-memory source (None) has no folder to
+    score as a baseline: perplexity only."""
+    from quantkit.card_metadata import eval_model_index
     from quantkit.card_metadata import eval_model_index
     from quantkit.checkpoint import append_card_metrics
     from quantkit.plan import CALIBRATION_DEFAULTS
 
     dataset = plan.calibration.dataset if plan.calibration is not None else None
     eval_set = dataset if isinstance(dataset, (str, Path)) else CALIBRATION_DEFAULTS["dataset"]
-    baseline = source_model if source_model == "demo" or Path(source_model).is_dir() else None
+    baseline = source_model if source_model is not None and (source_model == "demo" or Path(source_model).is_dir()) \
+        else None
     r = evaluate(output, baseline=baseline, dataset=eval_set, device=device, seq_len=_eval_seq_len(output))
     metrics = {"perplexity dataset": f"{eval_set} (held-out split)", "perplexity tokens": r["tokens"],
                "held-out perplexity": round(r["perplexity"], 4)}

@@ -144,30 +144,34 @@ def _mapping_rows(item: Mapping, where: str) -> list[torch.Tensor]:
     rows = _as_rows(item["input_ids"], where)
     if item.get("attention_mask") is None:
         return rows
-    masks = _as_rows(item["attention_mask"], f"{where}'s attention_mask")
+    masks = _as_rows(item["attention_mask"], f"{where}'s attention_mask", mask=True)
     if [m.shape for m in masks] != [r.shape for r in rows]:
         raise QuantkitError(f"{where}: attention_mask and input_ids differ in shape; pass the tokenizer's own pair")
     return [r[m != 0] for r, m in zip(rows, masks)]  # padding removed: only real tokens calibrate
 
 
-def _as_rows(value: Any, where: str) -> list[torch.Tensor]:
-    """A tensor / array / list of ints / list of such rows as 1-D int64 rows."""
+def _as_rows(value: Any, where: str, mask: bool = False) -> list[torch.Tensor]:
+    """A tensor / array / list of ints / list of such rows as 1-D int64 rows (an attention mask, `mask`,
+    may also hold bools or floats: nonzero is a real token)."""
     if isinstance(value, torch.Tensor):
         t = value
     elif isinstance(value, (list, tuple)):
         if value and all(isinstance(v, (list, tuple, torch.Tensor)) for v in value):  # a batch of rows
-            return [row for v in value for row in _as_rows(v, where)]
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return [row for v in value for row in _as_rows(v, where, mask)]
+        numbers = (int, float) if mask else int
+        if not all(isinstance(v, numbers) and (mask or not isinstance(v, bool)) for v in value):
             raise QuantkitError(f"{where} is not token ids: a list must hold ints (one row) or rows; got "
                                 f"{type(next((v for v in value if not isinstance(v, int)), value)).__name__}")
-        t = torch.tensor(list(value), dtype=torch.int64)
+        t = torch.tensor(list(value), dtype=None if mask else torch.int64)
     elif hasattr(value, "__array__") and not isinstance(value, (str, bytes)):
         import numpy as np
 
         t = torch.from_numpy(np.asarray(value))
     else:
         raise QuantkitError(f"{where} is a {type(value).__name__}, not token ids; pass {ACCEPTED}")
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+    if mask:
+        t = t != 0
+    elif t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise QuantkitError(f"{where} holds {t.dtype} values; token ids must be integers (a LongTensor)")
     if t.dim() not in (1, 2):
         raise QuantkitError(f"{where} has shape {list(t.shape)}; token ids come as [seq_len] or [batch, seq_len]")

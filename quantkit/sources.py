@@ -157,6 +157,57 @@ def _card_name(model: str, path: str) -> str:
     return path
 
 
+def copy_in_memory_model(model, tokenizer=None, streaming: Optional[bool] = None, device_map: Optional[str] = None):
+    """An in-memory transformers model as (copy, tokenizer, name_for_card): quantkit calibrates and
+    writes a CPU copy, so the caller's model is left untouched (this costs one more copy of the weights;
+    pass the model's folder instead to avoid it, or to stream its layers). The tokenizer is the one
+    given, else the one in `model.name_or_path` when that is a local folder."""
+    import copy
+
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise QuantkitError(f"an in-memory model must be a transformers PreTrainedModel, got {type(model).__name__}; "
+                            "pass it, or its folder or hub id")
+    if getattr(model.config, "quantization_config", None):
+        raise QuantkitError("the given model is already quantized; quantize a full-precision model")
+    if streaming or device_map is not None:
+        raise QuantkitError("streaming and device_map read the layers from a folder; an in-memory model is already "
+                            "in memory: drop them, or pass the model's folder")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise QuantkitError("the given model has weights on the meta device (offloaded or not loaded); pass its folder")
+    tokenizer = tokenizer if tokenizer is not None else _folder_tokenizer(model.name_or_path)
+    clone = copy.deepcopy(model).to("cpu").eval()
+    dtypes = [p.dtype for p in model.parameters() if p.dtype.is_floating_point]
+    stored = max(set(dtypes), key=dtypes.count) if dtypes else torch.float32  # what it holds is what it is
+    clone.config.source_dtype = str(stored).replace("torch.", "")
+    return clone, tokenizer, model.name_or_path or model.config.model_type
+
+
+def in_memory_identity(model) -> str:
+    """What the resume fingerprint records of an in-memory model: its name and a hash of its weights."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return f"in-memory {model.name_or_path or model.config.model_type} (weights sha256 {digest.hexdigest()})"
+
+
+def _folder_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    folder = Path(name_or_path) if name_or_path else None
+    if folder is None or not folder.is_dir():
+        raise QuantkitError(f"an in-memory model needs its tokenizer: pass tokenizer= (the model's name_or_path "
+                            f"{name_or_path!r} is not a local folder to read one from)")
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise QuantkitError(f"could not load a tokenizer from {folder} ({first_line(exc)}); pass tokenizer=") from None
+
+
 def _load_gguf(path: Path, dtype):
     """GGUF -> a plain float model. Llama files (every type quantkit writes, and llama.cpp's) go
     through quantkit's own strict reader and packers, bit for bit; other architectures through
