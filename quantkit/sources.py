@@ -119,8 +119,18 @@ def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, 
     except (OSError, ValueError, RuntimeError) as exc:
         raise QuantkitError(f"could not load model {path}: {first_line(exc)}") from None
     hf_model.eval()
+    _check_finite(hf_model, path)
     hf_model.config.source_dtype = str(stored_dtype(path, trust_remote_code)).replace("torch.", "")
     return hf_model, tokenizer, _card_name(model, path), layer_source
+
+
+def _check_finite(model, path: str) -> None:
+    """Every loaded tensor finite (streamed layers are checked as they are read, quantkit.streaming):
+    a NaN in a norm or embedding would otherwise be written into the output unnoticed."""
+    from quantkit.finite import require_finite
+
+    for name, tensor in model.state_dict().items():
+        require_finite(name, tensor, path)
 
 
 def cached_snapshot(repo_id: str) -> Optional[Path]:

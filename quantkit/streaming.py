@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.finite import require_finite
 from quantkit.notices import notice
 from quantkit.platform_support import available_memory_bytes, glibc
 
@@ -160,6 +161,7 @@ class LazyLayers:
                 with safe_open(str(path), framework="pt") as f:
                     for key in group:
                         t = f.get_tensor(key)
+                        require_finite(key, t, str(path))
                         c = t.to(self.dtype) if t.is_floating_point() else t
                         out[key] = c.clone() if copy and c is t else c
                         del t, c

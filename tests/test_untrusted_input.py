@@ -275,15 +275,34 @@ def poisoned_copy(src: Path, tmp: Path, tensor: str, value=float("nan")) -> Path
     return folder
 
 
+@pytest.mark.parametrize("streaming", [False, True])
 @pytest.mark.parametrize("options", [{}, {"mse": False}])
-def test_rtn_refuses_nan_weight(tmp_path, tiny_llama_dir, options):
-    name = "model.layers.1.mlp.down_proj.weight"
-    for value in (float("nan"), float("inf"), float("-inf")):
-        folder = poisoned_copy(tiny_llama_dir, tmp_path / str(value), name, value)
-        with pytest.raises(QuantkitError, match=f"tensor {name} holds 1 NaN/inf"):
-            quantkit.quantize(str(folder), "rtn", group_size=32, output=tmp_path / str(value) / "o", options=options,
-                              progress=False)
-        assert not (tmp_path / str(value) / "o").exists()
+def test_rtn_refuses_nan_weight(tmp_path, tiny_llama_dir, options, streaming):
+    for name in ("model.layers.1.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight", "model.norm.weight"):
+        for value in (float("nan"), float("inf"), float("-inf")):
+            folder = poisoned_copy(tiny_llama_dir, tmp_path / str(value), name, value)
+            out = tmp_path / str(value) / f"o-{name}"
+            with pytest.raises(QuantkitError, match=f"tensor {name} holds 1 NaN/inf"):
+                quantkit.quantize(str(folder), "rtn", group_size=32, output=out, options=options, streaming=streaming,
+                                  progress=False)
+            assert not out.exists()
+
+
+def test_driver_refuses_nan_weight_it_is_handed(tiny_llama_dir):
+    """The calibration driver's own check (for weights no loader checked, e.g. an in-memory model)."""
+    import transformers
+
+    from types import SimpleNamespace
+
+    from quantkit.pipeline.staged import quantize_in_place
+    from quantkit.quantizers.recipe import build_recipe
+    from quantkit.scheme import LinearScheme
+
+    layer = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir).model.layers[0]
+    layer.mlp.up_proj.weight.data[1, 2] = float("nan")
+    ctx = SimpleNamespace(prefix="model.layers.0.", experts=None, schemes={"mlp.up_proj": LinearScheme(4, 32, True)})
+    with pytest.raises(QuantkitError, match="tensor model.layers.0.mlp.up_proj.weight holds 1 NaN/inf"):
+        quantize_in_place(ctx, build_recipe("rtn", {}), "mlp.up_proj", layer.mlp.up_proj)
 
 
 def test_gguf_grids_refuse_nan_weight(tmp_path, tiny_llama_dir):
