@@ -7,11 +7,12 @@ written to WORKDIR/calib_ids.safetensors for the peers), in its own subprocess (
 run's alone). Every checkpoint is then scored by `quantkit eval --baseline MODEL` on two held-out
 texts, `lee` (news) and `wiki` (Wikipedia), through the same loader: mean and 99th-percentile KL
 divergence to the original model per token, top-1 agreement, perplexity. Peers run in their own
-venvs (their pins clash with quantkit's): scripts/llmcompressor_peer.py and scripts/gptqmodel_peer.py
-say how to build them; a peer whose python is not given is left out (and said so).
+venvs (their pins clash with quantkit's): scripts/llmcompressor_peer.py, scripts/gptqmodel_peer.py and
+scripts/autoround_peer.py say how to build them; a peer whose python is not given is left out (and said so).
 
     python scripts/bench_quality.py --workdir /tmp/qk-quality \\
-        --llmcompressor-python /work/peer-venv/bin/python --gptqmodel-python /work/gptqmodel-venv/bin/python
+        --llmcompressor-python /work/peer-venv/bin/python --gptqmodel-python /work/gptqmodel-venv/bin/python \\
+        --autoround-python /work/autoround-venv/bin/python
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ QUANTKIT_ROWS = {
     "gptq": ["--method", "gptq"],
     "awq": ["--method", "awq", "--sym", "--format", "gptq"],  # AWQ defaults to a zero point: the sym row says so
     "best": ["--recipe", "best-w4"],
+    # best-w4 then sign-gradient rounding of each layer (configs/best-w4-signround.yaml)
+    "best signround": ["--recipe", "best-w4-signround"],
 }
 ASYM_QUANTKIT_ROWS = {"gptq asym": ["--method", "gptq", "--asym"], "awq asym": ["--method", "awq", "--asym",
                                                                                 "--format", "gptq"]}
@@ -46,6 +49,9 @@ PEER_ROWS = {
     "llmc rtn mse": ("llm-compressor", "llmcompressor_peer.py", "rtn", ["--sym", "--observer", "memoryless_mse"]),
     "gptqmodel gptq": ("gptqmodel", "gptqmodel_peer.py", "gptq", ["--sym"]),
     "gptqmodel awq": ("gptqmodel", "gptqmodel_peer.py", "awq", ["--sym"]),
+    # auto-round (SignRound): its light setting (50 steps per block) and its default (200)
+    "autoround light": ("auto-round", "autoround_peer.py", "signround", ["--iters", "50"]),
+    "autoround": ("auto-round", "autoround_peer.py", "signround", ["--iters", "200"]),
 }
 ASYM_PEER_ROWS = {"gptqmodel awq asym": ("gptqmodel", "gptqmodel_peer.py", "awq", ["--asym"])}
 # llm-compressor's AWQ is left out: on this CPU it took 92-97 s per grid point (20 points x 3 mappings x
@@ -69,7 +75,8 @@ def quantize_rows(args, work: Path, calib_ids: Path, peer_folder: str) -> list[d
         _keep(rows, out, {"row": name, "tool": "quantkit", "path": str(out), "seconds": summary["seconds"],
                           "process_s": round(wall, 1), "cpu_s": summary["_cpu_s"], "peak_rss_mb": summary["peak_rss_mb"],
                           "sym": summary["sym"]})
-    pythons = {"llm-compressor": args.llmcompressor_python, "gptqmodel": args.gptqmodel_python}
+    pythons = {"llm-compressor": args.llmcompressor_python, "gptqmodel": args.gptqmodel_python,
+               "auto-round": args.autoround_python}
     peer_rows = {**PEER_ROWS, **(ASYM_PEER_ROWS if args.asym else {}),
                  **{k: v for k, v in OPTIONAL_ROWS.items() if args.rows and k in args.rows}}
     for name in _selected(peer_rows, args.rows):
@@ -183,6 +190,7 @@ def main() -> None:
     ap.add_argument("--asym", action="store_true", help="also the asymmetric rows")
     ap.add_argument("--llmcompressor-python", default=None)
     ap.add_argument("--gptqmodel-python", default=None)
+    ap.add_argument("--autoround-python", default=None, help="the venv python of scripts/autoround_peer.py")
     ap.add_argument("--workdir", default="/tmp/qk-quality")
     ap.add_argument("--reuse", action="store_true",
                     help="rows already quantized in this workdir are scored again, not re-quantized (their time and "

@@ -65,7 +65,8 @@ class TunedLinear:
     factor: torch.Tensor  # a [N, G], the per-group scale factors tuned
 
     @classmethod
-    def start_from(cls, name: str, qw: QuantizedWeight, weight: torch.Tensor, device) -> "TunedLinear":
+    def start_from(cls, name: str, qw: QuantizedWeight, weight: torch.Tensor, device,
+                   start_position: str = "rtn") -> "TunedLinear":
         if qw.offsets is not None or qw.two_level is not None:
             raise QuantkitError(f"signround tunes integer grids with a zero point; {name} is on a float-offset "
                                 "(GGUF) grid: drop signround from the recipe for GGUF output")
@@ -79,6 +80,8 @@ class TunedLinear:
         # positions are spread over the bins as auto-round's are, so the signed steps flip codes one by
         # one, not all at once (from the bins' centres every offset would cross a boundary together)
         within = (over - torch.round(over)).clamp_(-START_WITHIN, START_WITHIN)
+        if start_position == "centre":
+            within.zero_()
         return cls(name=name, qw=qw, weight=weight, columns=columns, start=(qw.qweight.float() - zeros) + within,
                    weight_over_scale=over, low=-zeros, high=float((1 << qw.bits) - 1) - zeros,
                    offset=torch.zeros_like(weight), factor=torch.ones_like(qw.scales, dtype=torch.float32))
@@ -118,6 +121,14 @@ class SignRoundRefiner(Refiner):
         "samples_per_step": 8,  # calibration sequences per step (auto-round's batch of 8), a multiple of 8
         "holdout_per_shard": 1,  # sequences of each of the 8 shards held out to choose the state kept
         "eval_every": 5,  # steps between held-out evaluations (and after the last)
+        # "sign": auto-round's signed steps, every offset moving lr per step; "scaled": each step the
+        # gradient divided by its root mean square over the linear, so offsets with the larger gradients
+        # cross a rounding boundary first (from a solved start most single flips cost more than the sign
+        # of the gradient says they save)
+        "step_rule": "sign",
+        # where each weight sits inside its quantizer's bin at the start: "rtn" (where round-to-nearest
+        # put it in its own bin, as auto-round starts) or "centre" (every offset 1/2 from a boundary)
+        "start_position": "rtn",
         "offset_range": 0.5,  # |V| bound (auto-round's): a code moves at most one step from the quantizer's
         "scale_range": [0.8, 1.25],  # bounds of the per-group scale factor a; [1, 1] keeps the scales
     }
@@ -135,6 +146,10 @@ class SignRoundRefiner(Refiner):
             v = o[key]
             if not (v is None and key == "lr") and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
                 raise QuantkitError(f"signround option {key} must be a positive number, got {v!r}")
+        if o["step_rule"] not in ("sign", "scaled"):
+            raise QuantkitError(f"signround option step_rule must be sign or scaled, got {o['step_rule']!r}")
+        if o["start_position"] not in ("rtn", "centre"):
+            raise QuantkitError(f"signround option start_position must be rtn or centre, got {o['start_position']!r}")
         rng = o["scale_range"]
         if (not isinstance(rng, (list, tuple)) or len(rng) != 2
                 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in rng)
@@ -235,7 +250,8 @@ class _LayerRun:
     def tune(self, results: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
         ctx, o = self.ctx, self.step.options
         linears = [TunedLinear.start_from(n[len(ctx.prefix):], qw, ctx.reference_layer.get_submodule(
-            n[len(ctx.prefix):]).weight, self.device) for n, qw in results.items()]
+            n[len(ctx.prefix):]).weight, self.device, o["start_position"]) for n, qw in results.items()]
+        scaled = o["step_rule"] == "scaled"
         keys = [f"{t.name}.weight" for t in linears]
         lo, hi = (float(v) for v in o["scale_range"])
         bound = float(o["offset_range"])
@@ -260,10 +276,10 @@ class _LayerRun:
             lr = self.step_size(step)
             with torch.no_grad():
                 for t in linears:
-                    t.offset.sub_(t.offset.grad.sign(), alpha=lr).clamp_(-bound, bound)
+                    t.offset.sub_(_direction(t.offset.grad, scaled), alpha=lr).clamp_(-bound, bound)
                     t.offset.grad = None
                     if t.factor.grad is not None:
-                        t.factor.sub_(t.factor.grad.sign(), alpha=lr).clamp_(lo, hi)
+                        t.factor.sub_(_direction(t.factor.grad, scaled), alpha=lr).clamp_(lo, hi)
                         t.factor.grad = None
             if (step + 1) % every == 0 or step + 1 == iters:
                 loss = self.held_out_loss(dict(zip(keys, current(False))))
@@ -305,3 +321,11 @@ def _split_like(flat: torch.Tensor, like: list[torch.Tensor]):
     for t in like:
         yield flat[start:start + t.numel()].view_as(t)
         start += t.numel()
+
+
+def _direction(grad: torch.Tensor, scaled: bool) -> torch.Tensor:
+    """The step's direction: the gradient's sign, or the gradient over its root mean square."""
+    if not scaled:
+        return grad.sign()
+    rms = grad.pow(2).mean().sqrt()
+    return grad / rms if float(rms) > 0 else torch.zeros_like(grad)
