@@ -220,6 +220,7 @@ def test_gguf_file_named_by_config_stays_inside(tmp_path):
         assert_refused(lambda: quantkit.load(str(folder)))
 
 
+@pytest.mark.slow  # command-line runs in subprocesses (~15-40 s)
 def test_cli_streaming_traversal_exits_2(tmp_path, sharded_plain):
     folder = escaped(sharded_plain, tmp_path, "dotdot")
     proc = run_cli("quantize", "--model", folder, "--method", "rtn", "--streaming", "--output", tmp_path / "o")
@@ -242,13 +243,20 @@ def test_quantize_never_overwrites_its_source(tmp_path, tiny_llama_dir):
         with pytest.raises(QuantkitError, match=why):
             quantkit.quantize(str(src), "rtn", output=output, overwrite=True, progress=False)
         assert tree_digest(src) == before
-    proc = run_cli("quantize", "--model", src, "--method", "rtn", "--output", src, "--overwrite")
-    assert proc.returncode == 2 and "is the source model" in proc.stderr, proc.stderr[-2000:]
-    assert tree_digest(src) == before
     # a new folder inside the source touches none of its files
     quantkit.quantize(str(src), "rtn", group_size=32, output=src / "quantized", progress=False)
     assert (src / "quantized" / "config.json").is_file()
     assert {k: v for k, v in tree_digest(src).items() if not k.startswith("quantized")} == before
+
+
+@pytest.mark.slow  # a command-line run in a subprocess
+def test_cli_refuses_the_source_as_output(tmp_path, tiny_llama_dir):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama_dir, src)
+    before = tree_digest(src)
+    proc = run_cli("quantize", "--model", src, "--method", "rtn", "--output", src, "--overwrite")
+    assert proc.returncode == 2 and "is the source model" in proc.stderr, proc.stderr[-2000:]
+    assert tree_digest(src) == before
 
 
 def test_convert_never_overwrites_its_source(tmp_path, sharded_quantized):
@@ -278,14 +286,15 @@ def poisoned_copy(src: Path, tmp: Path, tensor: str, value=float("nan")) -> Path
 @pytest.mark.parametrize("streaming", [False, True])
 @pytest.mark.parametrize("options", [{}, {"mse": False}])
 def test_rtn_refuses_nan_weight(tmp_path, tiny_llama_dir, options, streaming):
-    for name in ("model.layers.1.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight", "model.norm.weight"):
-        for value in (float("nan"), float("inf"), float("-inf")):
-            folder = poisoned_copy(tiny_llama_dir, tmp_path / str(value), name, value)
-            out = tmp_path / str(value) / f"o-{name}"
-            with pytest.raises(QuantkitError, match=f"tensor {name} holds 1 NaN/inf"):
-                quantkit.quantize(str(folder), "rtn", group_size=32, output=out, options=options, streaming=streaming,
-                                  progress=False)
-            assert not out.exists()
+    linear, norm, final = "model.layers.1.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight", "model.norm.weight"
+    for name, value in ((linear, float("nan")), (linear, float("inf")), (linear, float("-inf")), (norm, float("nan")),
+                        (final, float("inf"))):
+        folder = poisoned_copy(tiny_llama_dir, tmp_path / str(value), name, value)
+        out = tmp_path / str(value) / f"o-{name}"
+        with pytest.raises(QuantkitError, match=f"tensor {name} holds 1 NaN/inf"):
+            quantkit.quantize(str(folder), "rtn", group_size=32, output=out, options=options, streaming=streaming,
+                              progress=False)
+        assert not out.exists()
 
 
 def test_driver_refuses_nan_weight_it_is_handed(tiny_llama_dir):
@@ -358,6 +367,7 @@ def test_engine_refuses_requests_past_the_context():
     assert len(out["token_ids"]) == 8
 
 
+@pytest.mark.slow  # command-line runs in subprocesses (~15-40 s)
 def test_generate_cli_refuses_past_the_context(tmp_path, tiny_llama_dir):
     folder = tmp_path / "short"
     shutil.copytree(tiny_llama_dir, folder)
@@ -401,25 +411,29 @@ def test_quantize_eval_scores_within_the_context(tmp_path, tiny_llama_dir):
 
 # -- repository code ---------------------------------------------------------------------------
 
-def test_remote_code_names_the_flag(tmp_path, tiny_llama_dir):
-    from quantkit.convert import convert
-
+def custom_code_folder(tmp_path: Path, src: Path) -> tuple[Path, dict]:
+    """A copy of `src` whose config asks for repository code that, if ever run, exits the process."""
     folder = tmp_path / "custom"
-    shutil.copytree(tiny_llama_dir, folder)
+    shutil.copytree(src, folder)
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(model_type="my_custom_arch", auto_map={"AutoConfig": "configuration_x.XConfig",
                                                       "AutoModelForCausalLM": "modeling_x.XForCausalLM"})
     (folder / "config.json").write_text(json.dumps(cfg))
     (folder / "modeling_x.py").write_text("raise SystemExit('repository code ran')\n")
     (folder / "configuration_x.py").write_text("raise SystemExit('repository code ran')\n")
+    return folder, cfg
+
+
+def test_remote_code_names_the_flag(tmp_path, tiny_llama_dir):
+    from quantkit.convert import convert
+
+    folder, cfg = custom_code_folder(tmp_path, tiny_llama_dir)
     with pytest.raises(QuantkitError, match="--trust-remote-code"):
         quantkit.quantize(str(folder), "rtn", output=tmp_path / "o", progress=False)
     with pytest.raises(QuantkitError, match="trust_remote_code=True"):
         quantkit.load(str(folder))
     with pytest.raises(QuantkitError, match="never runs a repository's code"):
         convert(folder, "gguf", tmp_path / "c", gguf_type="F16")
-    proc = run_cli("quantize", "--model", folder, "--method", "rtn", "--output", tmp_path / "o")
-    assert proc.returncode == 2 and "--trust-remote-code" in proc.stderr and "repository code ran" not in proc.stderr
     # auto_map beside a model_type transformers knows: its own code builds the model, nothing is asked
     cfg["model_type"] = "llama"
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -452,6 +466,7 @@ def test_pickle_weights_are_never_loaded(tmp_path, tiny_llama_dir):
     assert not marker.exists()
 
 
+@pytest.mark.slow  # command-line runs in subprocesses (~15-40 s)
 def test_hub_id_snapshot_is_checked(tmp_path, sharded_plain):
     """A hub id resolved offline from the cache: its snapshot gets the folder checks (a shard linked
     to another repository's blob is refused), and a clean snapshot quantizes."""
@@ -469,3 +484,12 @@ def test_hub_id_snapshot_is_checked(tmp_path, sharded_plain):
     (snapshot / shard).symlink_to(outside)
     proc = run_cli("quantize", "--model", "org/tiny", "--method", "rtn", "--output", tmp_path / "bad", env=env)
     assert proc.returncode == 2 and "outside the model folder" in proc.stderr and shard in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.slow  # a command-line run in a subprocess
+def test_cli_remote_code_names_the_flag(tmp_path, tiny_llama_dir):
+    folder, _ = custom_code_folder(tmp_path, tiny_llama_dir)
+    proc = run_cli("quantize", "--model", folder, "--method", "rtn", "--output", tmp_path / "o")
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "--trust-remote-code" in lines[0], proc.stderr[-2000:]
+    assert "repository code ran" not in proc.stderr
