@@ -37,6 +37,8 @@ def main() -> int:
     ap.add_argument("--sens-seq-len", type=int, default=512)
     ap.add_argument("--sample", type=int, default=8, help="single linears measured to check the proxy")
     ap.add_argument("--eval-windows", type=int, default=8, help="held-out windows of 512 scored per text")
+    ap.add_argument("--no-measure-layers", action="store_true",
+                    help="calibrate the proxy on the sampled linears only (one factor per scheme)")
     args = ap.parse_args()
 
     import quantkit
@@ -49,7 +51,7 @@ def main() -> int:
     if not (sens / "sensitivity.json").exists():
         api.sensitivity(args.model, args.method, num_samples=args.num_samples, seq_len=args.seq_len,
                         eval_windows=args.sens_windows, eval_seq_len=args.sens_seq_len, sample=args.sample,
-                        output=sens, overwrite=True)
+                        measure_layers=not args.no_measure_layers, output=sens, overwrite=True)
         print(f"sensitivity measured in {time.perf_counter() - t0:.0f} s", flush=True)
     report = json.loads((sens / "sensitivity.json").read_text())
     default = next(l for l in report["schemes"] if l.startswith("w4"))

@@ -315,3 +315,15 @@ def test_target_size_parsing():
     assert parse_size("123456") == 123456
     with pytest.raises(QuantkitError, match="not a size"):
         parse_size("2.1 gigs")
+
+
+@pytest.mark.slow
+def test_target_bits_without_a_report_measures_one_first(tmp_path, tiny_llama_dir):
+    import quantkit
+
+    out = tmp_path / "m"
+    result = quantkit.quantize(str(tiny_llama_dir), "gptq", group_size=32, num_samples=4, seq_len=32, output=out,
+                               target_bits=4.0, progress=False)
+    assert result["allocation"]["bits_per_weight"] <= 4.0
+    report = json.loads((out / "sensitivity.json").read_text())
+    assert report["calibration"]["num_samples"] == 4 and report["calibration_mode"] == "layer"
