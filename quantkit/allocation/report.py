@@ -45,23 +45,21 @@ def png_bytes(pixels: list[list[tuple[int, int, int]]]) -> bytes:
             + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
-def _kinds(rows) -> list[str]:
-    seen = []
-    for r in rows:
-        k = r["linear"].rsplit(".", 1)[-1] if r["layer"] is None else r["linear"].split(f".{r['layer']}.", 1)[-1]
-        if k not in seen:
-            seen.append(k)
-    return seen
+def _kind(row) -> str:
+    """The linear's name inside its decoder layer (self_attn.q_proj), or its full name outside one."""
+    return row["linear"] if row["layer"] is None else row["linear"].split(f".{row['layer']}.", 1)[-1]
 
 
 def heat_grid(rows, labels) -> tuple[list, list[str], dict]:
     """(layers, kinds, {(layer, kind, scheme): log10 predicted KL})."""
-    grid = {}
+    grid, kinds = {}, []
     for r in rows:
-        kind = r["linear"].split(f".{r['layer']}.", 1)[-1] if r["layer"] is not None else r["linear"]
+        kind = _kind(r)
+        if kind not in kinds:
+            kinds.append(kind)
         grid[(r["layer"], kind, r["scheme"])] = math.log10(max(r["predicted_kl"], 1e-12))
     layers = sorted({r["layer"] for r in rows}, key=lambda x: (x is None, x or 0))
-    return layers, _kinds(rows), grid
+    return layers, kinds, grid
 
 
 def _range(values) -> tuple[float, float]:
