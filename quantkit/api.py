@@ -6,7 +6,7 @@ import math
 import shutil
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -123,7 +123,6 @@ def quantize(
     JSON; measured first when not given); see docs/allocation.md."""
     args = dict(locals())
     from quantkit.models import get_adapter
-    from quantkit.plan import resolve_plan
     from quantkit.sources import in_memory_identity, parse_dtype, source_dtype
     from quantkit.streaming import bounded_heap
 
@@ -137,15 +136,9 @@ def quantize(
     source_ref = _in_memory_folder(model) if in_memory else model  # the folder the output must not replace
     comm = _join_run(args)
     if comm is _SPAWNED:
-        from quantkit.launch import run_local_ranks
-
-        return run_local_ranks(int(nproc), quantize, args)
+        return _run_spawned_ranks(args)
     lead = comm is None or comm.rank == 0
-    plan = resolve_plan(method, recipe_file=recipe, options=options, bits=bits, group_size=group_size, sym=sym,
-                        ignore=ignore, format=format, gguf_type=gguf_type,
-                        calibration={"dataset": dataset, "num_samples": num_samples, "seq_len": seq_len, "seed": seed,
-                                     "chat_template": chat_template, "batch_size": batch_size,
-                                     "moe_calibration": moe_calibration, "moe_min_tokens": moe_min_tokens})
+    plan = _plan_of(args)
     _check_share(plan, comm)
     if output is not None:
         _on_rank0(comm, lambda: _check_output(Path(output), overwrite, resume, source_ref))
@@ -218,6 +211,38 @@ def _allocation(args: dict, plan, schemes: dict, layer_source, comm, hf_model, s
                          target_size=args["target_size"], sensitivity=args["sensitivity"],
                          fixed=fixed_bytes(hf_model, set(schemes), save_dtype),
                          trust_remote_code=args["trust_remote_code"], progress=args["progress"])
+
+
+def _plan_of(args: dict):
+    from quantkit.plan import resolve_plan
+
+    a = args
+    return resolve_plan(a["method"], recipe_file=a["recipe"], options=a["options"], bits=a["bits"],
+                        group_size=a["group_size"], sym=a["sym"], ignore=a["ignore"], format=a["format"],
+                        gguf_type=a["gguf_type"],
+                        calibration={k: a[k] for k in ("dataset", "num_samples", "seq_len", "seed", "chat_template",
+                                                       "batch_size", "moe_calibration", "moe_min_tokens")})
+
+
+def _run_spawned_ranks(args: dict) -> QuantizeResult:
+    """quantize on `nproc` local ranks. Rank 0 sends back plain data (the summary and the calibration as
+    drawn, without the dataset), not its plan, whose steps may hold tensors from the run; the plan is
+    resolved here from the same arguments."""
+    from quantkit.launch import run_local_ranks
+
+    summary, calibration = run_local_ranks(int(args["nproc"]), _spawned_rank, args)
+    plan = _plan_of(args)
+    if calibration is not None:
+        plan = replace(plan, calibration=replace(calibration, dataset=plan.calibration.dataset))
+    return QuantizeResult(output=Path(summary["output"]), plan=plan, metrics=summary.get("metrics"), summary=summary)
+
+
+def _spawned_rank(**kwargs):
+    result = quantize(**kwargs)
+    if result is None:
+        return None
+    c = result.plan.calibration
+    return result.summary, replace(c, dataset=None) if c is not None else None
 
 
 def _launched() -> bool:
@@ -408,8 +433,6 @@ def _calibration_set(plan, hf_model, tokenizer, comm=None):
     """(plan, calibration token ids [num_samples, seq_len], sequences per forward); the plan's calibration
     then records the tokens' real shape, source and hash (quantkit.calibration_sources). (plan, None, None)
     without data. In a data-parallel run rank 0 draws the tokens and every rank receives the same."""
-    from dataclasses import replace
-
     from quantkit.calibration_sources import CalibrationTokens, calibration_tokens, check_vocabulary
     from quantkit.pipeline import calibration_batch_size
 
