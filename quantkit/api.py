@@ -122,11 +122,13 @@ def quantize(
     predicted KL under that budget, from the `sensitivity` report (a `quantkit sensitivity` folder or
     JSON; measured first when not given); see docs/allocation.md."""
     args = dict(locals())
+    from quantkit.disk_errors import writing_output
     from quantkit.models import get_adapter
     from quantkit.sources import in_memory_identity, parse_dtype, source_dtype
     from quantkit.streaming import bounded_heap
 
     t0 = time.perf_counter()
+    max_shard_size = _checked_before_work(device, max_shard_size, dist_timeout, target_bits, target_size)
     in_memory = isinstance(model, nn.Module)
     if in_memory and (nproc not in (None, 1) or _launched()):
         raise QuantkitError("data-parallel ranks each load the model themselves; pass its folder instead of the "
@@ -163,15 +165,16 @@ def quantize(
         _on_rank0(comm, lambda: _check_output(output, overwrite, resume, source_ref))
     output = Path(output)
     plan, input_ids, cal_batch = _calibration_set(plan, hf_model, tokenizer, comm)
-    store = _progress_store(output, in_memory_identity(hf_model) if in_memory else model, plan, save_dtype,
-                            cal_batch, input_ids, resume, comm)
-    job = dict(device=_compute_device(device, comm), batch_size=cal_batch or 1, progress=progress and lead,
-               store=store, layer_source=layer_source, experts=experts, stats={}, comm=comm)
-    if serving is not None:
-        job["serving"] = serving
-    with bounded_heap() if layer_source is not None else contextlib.nullcontext():  # scoped to this run
-        moe = _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job, output, tokenizer,
-                                   base_name, save_dtype, max_shard_size, overwrite)
+    with writing_output(output, lambda: rough_checkpoint_bytes(hf_model, schemes, save_dtype), resume_hint=True):
+        store = _progress_store(output, in_memory_identity(hf_model) if in_memory else model, plan, save_dtype,
+                                cal_batch, input_ids, resume, comm)
+        job = dict(device=_compute_device(device, comm), batch_size=cal_batch or 1, progress=progress and lead,
+                   store=store, layer_source=layer_source, experts=experts, stats={}, comm=comm)
+        if serving is not None:
+            job["serving"] = serving
+        with bounded_heap() if layer_source is not None else contextlib.nullcontext():  # scoped to this run
+            moe = _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job, output, tokenizer,
+                                       base_name, save_dtype, max_shard_size, overwrite)
     if comm is not None:
         from quantkit.pipeline.distributed import leave_group
 
@@ -379,16 +382,49 @@ def _check_share(plan, comm) -> None:
                             f"use at least {comm.world} (one per rank)")
 
 
+def rough_checkpoint_bytes(model: nn.Module, schemes: dict, save_dtype: torch.dtype) -> int:
+    """About what the checkpoint takes on disk (for a disk-full message): quantized weights at their
+    bits plus an eighth for scales and zero points, everything else in `save_dtype`."""
+    total = 0
+    for name, param in model.named_parameters():  # tied weights are listed once
+        owner = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and owner in schemes:
+            total += param.numel() * getattr(schemes[owner], "bits", 16) * 9 // 64
+        else:
+            total += param.numel() * (save_dtype.itemsize if param.is_floating_point() else param.element_size())
+    return total
+
+
+def _checked_before_work(device: Optional[str], max_shard_size, dist_timeout: Optional[float], target_bits,
+                         target_size) -> int:
+    """Options otherwise first read after calibration or a sensitivity measurement (the shard size, the
+    device, the budget), checked before any work so that a typo never costs a run; returns the shard
+    size in bytes."""
+    from quantkit.allocation.budget import parse_size
+    from quantkit.devices import compute_device
+    from quantkit.option_values import finite_number, shard_size_bytes
+
+    compute_device(device)
+    finite_number("--dist-timeout", dist_timeout, above=0)
+    if target_bits is not None and (isinstance(target_bits, bool) or not isinstance(target_bits, (int, float))):
+        raise QuantkitError(f"--target-bits must be a positive number, got {target_bits!r}")
+    finite_number("--target-bits", target_bits, above=0)
+    if target_size is not None and parse_size(target_size) < 1:
+        raise QuantkitError(f"--target-size {target_size!r} must be more than 0 bytes; write e.g. 2.1GB or 700MiB")
+    return shard_size_bytes(max_shard_size)
+
+
 def _compute_device(device: Optional[str], comm) -> torch.device:
     if comm is None:
-        return torch.device(device or "cpu")
+        from quantkit.devices import compute_device
+
+        return compute_device(device)
     from quantkit.pipeline.distributed import rank_device
 
     return rank_device(device)
 
 
 def _check_output(output: Path, overwrite: bool, resume: bool, model: Optional[str]) -> None:
-    """`model`: the source's name or folder (None: an in-memory model with no folder behind it)."""
     from quantkit.checkpoint import check_output_dir, staging_dir
     from quantkit.progress import ProgressStore
     from quantkit.sources import resolve_model_path
@@ -634,6 +670,7 @@ def evaluate(
     from quantkit.scoring import check_seq_len, compare, logits_of, perplexity, windows_of
 
     t0 = time.perf_counter()
+    _check_eval_options(seq_len, max_windows, batch_size, device)
     for name in (model, baseline):  # before anything is loaded or scored, where the config is on disk
         if name is not None and _config_on_disk(name) is not None:
             check_seq_len(seq_len, _config_on_disk(name), str(name))
@@ -658,6 +695,17 @@ def evaluate(
                    ratio=result["perplexity"] / result["baseline_perplexity"])
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
+
+
+def _check_eval_options(seq_len: int, max_windows: Optional[int], batch_size: int, device: Optional[str]) -> None:
+    """Counts and the device, before any model or text is read (a window needs 2 tokens: one predicts the next)."""
+    from quantkit.devices import compute_device
+    from quantkit.option_values import at_least
+
+    at_least("--seq-len", seq_len, 2)
+    at_least("--max-windows", max_windows)
+    at_least("--batch-size", batch_size)
+    compute_device(device)
 
 
 def _config_on_disk(model) -> Optional[dict]:

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from quantkit.checkpoint import normal_permissions, replace_dir, check_output_dir, model_card, write_safetensors
+from quantkit.disk_errors import writing_output
 from quantkit.errors import QuantkitError
-from quantkit.formats import format_for_quant_method, get_format
+from quantkit.formats import FORMATS, format_for_quant_method, get_format
 from quantkit.formats.spec import LinearSpec
 from quantkit.ggml_types import MIXES, TYPES, check_gguf_type
 from quantkit.model_files import check_remote_code
@@ -35,10 +36,12 @@ def convert(src: Union[str, Path], format: str, output: Union[str, Path], gguf_t
     """Re-pack `src` as `format` ("gptq", "awq", "compressed-tensors" or "gguf") into `output`."""
     from quantkit.runtime.loader import experts_as_linears, read_config, resolve_checkpoint, safetensors_files
 
+    target = str(format).lower().replace("_", "-")
+    if target not in (*FORMATS, "gguf"):  # before the checkpoint is read: the message is about the format
+        raise QuantkitError(f"unknown --format {format!r}; choose one of {', '.join([*FORMATS, 'gguf'])}")
     folder = resolve_checkpoint(str(src))
     output = Path(output)
     check_output_dir(output, overwrite, source=folder)
-    target = str(format).lower().replace("_", "-")
     cfg = read_config(folder)
     check_remote_code(folder, cfg, False, None)
     qcfg = cfg.get("quantization_config") or None
@@ -47,21 +50,23 @@ def convert(src: Union[str, Path], format: str, output: Union[str, Path], gguf_t
     state = _read_state(safetensors_files(folder))
     qws = _unpack_all(qcfg, model, adapter, state, folder) if qcfg else {}
     stage = output.parent / f".{output.name}.convert-partial"
-    shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir(parents=True)
-    try:
-        if target == "gguf":
-            if adapter is not None and any(adapter.moe_blocks(layer) for layer in adapter.decoder_layers(model)):
-                raise QuantkitError("GGUF export of Mixture-of-Experts models is not supported (llama.cpp stores "
-                                    "experts as 3-D tensors); convert to gptq, awq or compressed-tensors")
-            kind = _to_gguf(folder, model, state, qws, gguf_type, output, stage, overwrite)
-        else:
-            if gguf_type is not None:
-                raise QuantkitError("--gguf-type needs --format gguf")
-            kind = _to_layout(folder, cfg, model, adapter, state, qws, target, output, stage, overwrite)
-    except BaseException:
+    # a failed convert leaves nothing (it has no progress to resume); the source's size bounds the output's
+    with writing_output(output, lambda: sum(f.stat().st_size for f in safetensors_files(folder))):
         shutil.rmtree(stage, ignore_errors=True)
-        raise
+        stage.mkdir(parents=True)
+        try:
+            if target == "gguf":
+                if adapter is not None and any(adapter.moe_blocks(layer) for layer in adapter.decoder_layers(model)):
+                    raise QuantkitError("GGUF export of Mixture-of-Experts models is not supported (llama.cpp "
+                                        "stores experts as 3-D tensors); convert to gptq, awq or compressed-tensors")
+                kind = _to_gguf(folder, model, state, qws, gguf_type, output, stage, overwrite)
+            else:
+                if gguf_type is not None:
+                    raise QuantkitError("--gguf-type needs --format gguf")
+                kind = _to_layout(folder, cfg, model, adapter, state, qws, target, output, stage, overwrite)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
     return {"source": str(folder), "output": str(output), "format": target, "quantized_linears": len(qws), **kind}
 
 

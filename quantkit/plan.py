@@ -181,8 +181,10 @@ def _scheme(recipe: Recipe, from_file: dict, **flags) -> QuantScheme:
 
 
 def _check_format(recipe: Recipe, format_name: str) -> None:
-    from quantkit.formats import get_format
+    from quantkit.formats import FORMATS, get_format
 
+    if str(format_name).lower().replace("_", "-") not in FORMATS:  # gguf is settled before this check
+        raise QuantkitError(f"unknown checkpoint format {format_name!r}; choose one of {', '.join([*FORMATS, 'gguf'])}")
     fmt = get_format(format_name)
     if recipe.quantizes_activations and not getattr(fmt, "ACTIVATION_STRATEGIES", None):
         raise QuantkitError(f"method {recipe.name!r} quantizes activations (W8A8), which the {fmt.NAME} format "

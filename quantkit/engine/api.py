@@ -10,6 +10,7 @@ import torch
 from quantkit.engine.llm_engine import LLMEngine
 from quantkit.engine.sequence import SamplingParams
 from quantkit.errors import QuantkitError
+from quantkit.option_values import at_least
 
 
 def load_model_and_tokenizer(model_path: str, backend: str = "auto", device: Optional[str] = None,
@@ -64,6 +65,7 @@ def generate_text(model_path: str, prompt: str, max_new_tokens: int = 64, chat: 
     path, "demo", "ngram" or a loaded model: speculative decoding, ``num_speculative_tokens`` per
     step) acceptance_rate, mean_accepted_tokens and the counts behind them. ``lm_head_quant`` /
     ``draft_lm_head_quant``, ``draft_confidence``: see :class:`LLMEngine`."""
+    at_least("--block-size", block_size)
     model, tokenizer = load_model_and_tokenizer(model_path, backend, device, dtype)
     draft, draft_tokenizer = load_draft(draft, model_path, backend, device, draft_dtype)
     ids = encode_prompt(tokenizer, prompt, chat)
@@ -113,6 +115,7 @@ def run_bench(model_path: str = "demo", batch: int = 8, input_len: int = 128, ou
     on real text)."""
     if batch < 1 or input_len < 1 or output_len < 1:
         raise QuantkitError("batch, input_len and output_len must be at least 1")
+    at_least("--block-size", block_size)
     if model is None:
         model, tokenizer = load_model_and_tokenizer(model_path, backend, device, dtype)
     if draft_tokenizer is None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -29,8 +30,8 @@ class SamplingParams:
     stop_token_ids: tuple = ()
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise QuantkitError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # NaN fails both
+            raise QuantkitError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise QuantkitError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

@@ -57,6 +57,25 @@ class LayerContext:
         return self.samples
 
 
+def _check_option_type(step: str, key: str, value: Any, default: Any, words: tuple[str, ...]) -> None:
+    """An option given with its default's type (bool, whole number, number), or one of its words:
+    `desc_act=maybe` would be truthy and `damp_percent=abc` would fail mid-run. Options whose
+    default is None, a string or a list are checked by the step itself."""
+    if isinstance(value, str) and value.strip().lower() in words:
+        return
+    if isinstance(default, bool):
+        ok, kind = isinstance(value, bool), "true or false"
+    elif isinstance(default, int):
+        ok, kind = isinstance(value, int) and not isinstance(value, bool), "a whole number"
+    elif isinstance(default, float):
+        ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    else:
+        return
+    if not ok:
+        also = "".join(f" or {w!r}" for w in words)
+        raise QuantkitError(f"option {key}={value!r} of method {step!r} must be {kind}{also} (default {default!r})")
+
+
 class Step:
     """Base of every recipe step. Options are validated against `options_spec` (name -> default)."""
 
@@ -77,12 +96,16 @@ class Step:
     # preference); the recipe settles it (Recipe.calibrates_on_float_inputs)
     calibration_stream: ClassVar[str | None] = None
     supports_grids: ClassVar[bool] = False  # honours LinearScheme.grid (a target format's fixed grid, e.g. GGUF)
+    # words a numeric option also takes (SmoothQuant's alpha: "auto"); other options must have their default's type
+    option_words: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __init__(self, **options):
         unknown = set(options) - set(self.options_spec)
         if unknown:
             allowed = ", ".join(sorted(self.options_spec)) or "none"
             raise QuantkitError(f"unknown option(s) {sorted(unknown)} for method {self.name!r}; allowed: {allowed}")
+        for key, value in options.items():
+            _check_option_type(self.name, key, value, self.options_spec[key], self.option_words.get(key, ()))
         self.options = {**self.options_spec, **options}
 
     def check_scheme(self, scheme) -> None:

@@ -78,6 +78,7 @@ class SmoothQuantTransform(Transform):
     default_format = "compressed-tensors"
     default_scheme = {"bits": 8, "group_size": -1}
     quantizes_activations = True
+    option_words = {"alpha": ("auto",)}
     options_spec = {
         "smooth": True,  # false: plain W8A8 (the baseline smoothing is measured against)
         "alpha": 0.5,  # migration strength in [0, 1], or "auto" (per-group search)

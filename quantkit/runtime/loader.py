@@ -176,20 +176,24 @@ def _check_config_values(config, folder: Path) -> None:
 def load_model(path: str, backend: str = "auto", device: Optional[str] = None, dtype: Optional[str] = None,
                trust_remote_code: bool = False):
     """A transformers causal LM whose quantized linears are `QuantLinear`s on `backend`."""
+    from quantkit.devices import compute_device
+    from quantkit.runtime.backends import BACKENDS
     from quantkit.sources import parse_dtype
 
+    if backend not in BACKENDS:  # checked here too: a model with nothing quantized never asks for a backend
+        raise QuantkitError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    device = compute_device(device)
     gguf_file = gguf_model_file(path)
     if gguf_file is not None:  # llama.cpp's file: dequantized by quantkit's own GGUF reader
         from quantkit.sources import load_source_model
 
         model = load_source_model(str(gguf_file), dtype=None)[0]
-        return model.to(device=torch.device(device or "cpu"), dtype=parse_dtype(dtype) or torch.float32)
+        return model.to(device=device, dtype=parse_dtype(dtype) or torch.float32)
     folder = resolve_checkpoint(path)
     cfg = read_config(folder)
     check_remote_code(folder, cfg, trust_remote_code, "trust_remote_code=True to quantkit.load")
     qcfg = cfg.get("quantization_config")
     files = safetensors_files(folder)
-    device = torch.device(device or "cpu")
     if not qcfg:
         return _load_plain(folder, files, parse_dtype(dtype) or default_compute_dtype(None, device), device,
                            trust_remote_code)
