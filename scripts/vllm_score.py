@@ -31,8 +31,12 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def _first_line(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip()
-    return text.splitlines()[0][:500] if text else type(e).__name__
+    """The line that says why: pydantic wraps vLLM's own ValueError under a generic first line."""
+    lines = [line.strip() for line in f"{type(e).__name__}: {e}".splitlines() if line.strip()]
+    for line in lines[1:]:
+        if line.startswith("Value error,"):
+            return line[len("Value error,"):].split(" [type=")[0].strip()[:500]
+    return lines[0][:500]
 
 
 def _release(llm) -> None:

@@ -30,8 +30,8 @@ def vllm_refusal(fmt: str, specs: Iterable[LinearSpec]) -> Optional[str]:
                 return (f"vLLM's gptq path takes 4- and 8-bit symmetric weights only, not {s.bits}-bit "
                         f"{'symmetric' if s.sym else 'asymmetric'} ('Unsupported quantization config')")
             if s.act_order == "dynamic" and s.group_size != -1:
-                return ("vLLM refuses a gptq g_idx that permutes the groups (desc_act true: 'GPTQ group "
-                        "activation ordering is no longer supported'); act-order with static groups loads")
+                return ("vLLM refuses a gptq g_idx that permutes the groups (desc_act true: 'is no longer "
+                        "supported'); act-order with static groups loads")
         return None
     if fmt == "awq":
         return None if all(s.bits == 4 for s in specs) else "vLLM's awq path takes 4-bit weights only"
