@@ -172,6 +172,7 @@ def test_split_is_by_title_and_stable():
     assert 0.4 < splits.count("eval") / len(splits) < 0.6  # EVAL_SHARE_PERCENT = 50 buckets of 100
 
 
+@pytest.mark.slow  # two CLI runs in subprocesses, ~16 CPU s
 def test_cli_quantize_and_eval_on_wiki(tmp_path, tiny_llama_dir):
     """``--dataset wiki`` through both commands, on a hand-written export (offline, seconds)."""
     prose = " ".join(f"Sentence {i} says that the river {i} runs past the old mill." for i in range(25))
