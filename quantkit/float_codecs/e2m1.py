@@ -1,0 +1,33 @@
+"""FP4 E2M1: 1 sign, 2 exponent, 1 mantissa bit; the 16 codes are +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}.
+
+Code = magnitude index (0..7) | sign << 3, the order OCP MX and NVFP4 (and compressed-tensors' packing) use.
+Rounding is to the nearest value, ties to the even code (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4), which is
+what compressed-tensors' `cast_to_fp4` does; values beyond 6 saturate to 6.  The sign bit is the input's
+(a small negative value becomes code 8, "-0"), as compressed-tensors packs it.
+"""
+from __future__ import annotations
+
+import torch
+
+MAX = 6.0
+MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between neighbouring magnitudes; at a tie the even code wins, so the boundary belongs to the
+# lower code when that code is even (strict ">" to go up) and to the upper code when it is odd (">=").
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def encode(x: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 code (uint8, 0..15) of each element of `x` (already divided by its scale)."""
+    a = x.abs().to(torch.float32)
+    index = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for lower_code, midpoint in enumerate(_MIDPOINTS):
+        up = a > midpoint if lower_code % 2 == 0 else a >= midpoint
+        index += up.to(torch.uint8)
+    return index | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def decode(codes: torch.Tensor) -> torch.Tensor:
+    """The float32 value of each E2M1 code."""
+    table = torch.tensor(MAGNITUDES, dtype=torch.float32, device=codes.device)
+    magnitude = table[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -magnitude, magnitude)

@@ -1,0 +1,69 @@
+"""FP8 (E4M3) weights with one float32 scale per tensor, per output channel, or per (rows x cols) block.
+
+scale = absmax / 448 over the scale's region (a zero scale becomes float32's eps, as in compressed-tensors'
+`calculate_qparams`), value = E4M3(w / scale).  Block scales cover a zero-padded copy of the weight, so
+a weight whose sides are not multiples of the block gets ceil(N/rows) x ceil(K/cols) scales (the shape
+compressed-tensors and vLLM expect).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.float_codecs import e4m3
+
+STRATEGIES = ("tensor", "channel", "block")
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    values: torch.Tensor  # float8_e4m3fn [N, K]
+    scale: torch.Tensor  # float32: [1] tensor, [N, 1] channel, [ceil(N/r), ceil(K/c)] block
+    strategy: str
+    block_size: Optional[tuple[int, int]] = None
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.values.to(torch.float32) * _expand(self.scale, self)).to(dtype)
+
+
+def _expand(scale: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """The scale broadcast to one entry per weight element."""
+    if w.strategy != "block":
+        return scale
+    rows, cols = w.block_size
+    n, k = w.values.shape
+    return scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:n, :k]
+
+
+def _nonzero(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
+
+
+def quantize(weight: torch.Tensor, strategy: str, block_size: Optional[tuple[int, int]] = None) -> Fp8Weight:
+    """Round-to-nearest FP8 of a 2-D weight [N, K] under the given scale strategy."""
+    if strategy not in STRATEGIES:
+        raise QuantkitError(f"FP8 weights take strategy tensor, channel or block, not {strategy!r}")
+    if weight.ndim != 2:
+        raise QuantkitError(f"FP8 quantization takes a 2-D weight, got shape {tuple(weight.shape)}")
+    w = weight.to(torch.float32)
+    if strategy == "tensor":
+        scale = _nonzero((w.abs().amax() / e4m3.MAX).reshape(1))
+        expanded = scale
+    elif strategy == "channel":
+        scale = _nonzero(w.abs().amax(dim=1, keepdim=True) / e4m3.MAX)
+        expanded = scale
+    else:
+        if block_size is None:
+            raise QuantkitError("FP8 block quantization needs a block size (rows, cols), e.g. (128, 128)")
+        rows, cols = block_size
+        n, k = w.shape
+        nb, kb = math.ceil(n / rows), math.ceil(k / cols)
+        padded = torch.nn.functional.pad(w, (0, kb * cols - k, 0, nb * rows - n))
+        block_amax = padded.reshape(nb, rows, kb, cols).abs().amax(dim=(1, 3))
+        scale = _nonzero(block_amax / e4m3.MAX)
+        expanded = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:n, :k]
+    return Fp8Weight(e4m3.to_e4m3(w / expanded), scale, strategy, tuple(block_size) if block_size else None)

@@ -1,0 +1,37 @@
+"""MXFP4: E2M1 elements in groups of 32 sharing one power-of-two scale stored as an E8M0 byte.
+
+code = E2M1(w / 2**(e - 127)) with e the group's E8M0 code (`e8m0.shared_exponent_codes`); values past
+the grid's +-6 saturate.  This is the weight layout gpt-oss ships and compressed-tensors' MXFP4 preset.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.float_codecs import e2m1, e8m0
+from quantkit.float_codecs.nvfp4 import check_grouped_shape
+
+GROUP_SIZE = 32
+
+
+@dataclass(frozen=True)
+class Mxfp4Weight:
+    codes: torch.Tensor  # uint8 [N, K], E2M1 codes 0..15
+    scale_codes: torch.Tensor  # uint8 [N, K/32], E8M0
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.codes.shape
+        values = e2m1.decode(self.codes).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+        return (values * e8m0.decode(self.scale_codes).unsqueeze(-1)).reshape(n, k).to(dtype)
+
+
+def quantize(weight: torch.Tensor) -> Mxfp4Weight:
+    """Round-to-nearest MXFP4 of a 2-D weight [N, K] (K a multiple of 32)."""
+    check_grouped_shape(weight, GROUP_SIZE, "MXFP4")
+    w = weight.to(torch.float32)
+    n, k = w.shape
+    groups = w.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    scale_codes = e8m0.shared_exponent_codes(groups.abs().amax(dim=-1))
+    codes = e2m1.encode(groups / e8m0.decode(scale_codes).unsqueeze(-1))
+    return Mxfp4Weight(codes.reshape(n, k), scale_codes)

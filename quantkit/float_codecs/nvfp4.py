@@ -1,0 +1,58 @@
+"""NVFP4: E2M1 elements in groups of 16, each group with an FP8 E4M3 scale, under one float32 global scale.
+
+As compressed-tensors 0.20.1 defines it (`generate_gparam`, `calculate_qparams`, `forward._quantize`):
+    global_scale = 448 * 6 / absmax(W)                      (1.0 when that is not finite)
+    group_scale  = E4M3(global_scale * (absmax(group) / 6)) (0 becomes 0.125, E4M3's eps there)
+    code         = E2M1(w / (group_scale / global_scale))
+    w_hat        = e2m1(code) * group_scale / global_scale
+The global scale stretches the groups' scales over E4M3's range, so small groups keep precision.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.float_codecs import e2m1, e4m3
+
+GROUP_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Nvfp4Weight:
+    codes: torch.Tensor  # uint8 [N, K], E2M1 codes 0..15
+    group_scale: torch.Tensor  # float8_e4m3fn [N, K/16]
+    global_scale: torch.Tensor  # float32 [1]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        step = self.group_scale.to(torch.float32) / self.global_scale.to(torch.float32)
+        n, k = self.codes.shape
+        values = e2m1.decode(self.codes).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+        return (values * step.unsqueeze(-1)).reshape(n, k).to(dtype)
+
+
+def global_scale(weight: torch.Tensor) -> torch.Tensor:
+    amax = weight.to(torch.float32).abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
+    scale = e4m3.MAX * e2m1.MAX / amax
+    return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0).reshape(1)
+
+
+def check_grouped_shape(weight: torch.Tensor, group_size: int, name: str) -> None:
+    if weight.ndim != 2 or weight.shape[1] % group_size:
+        raise QuantkitError(f"{name} needs a 2-D weight whose input size is a multiple of {group_size}, "
+                            f"got shape {tuple(weight.shape)}; leave this layer unquantized (--ignore)")
+
+
+def quantize(weight: torch.Tensor) -> Nvfp4Weight:
+    """Round-to-nearest NVFP4 of a 2-D weight [N, K] (K a multiple of 16)."""
+    check_grouped_shape(weight, GROUP_SIZE, "NVFP4")
+    w = weight.to(torch.float32)
+    n, k = w.shape
+    groups = w.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    gscale = global_scale(w)
+    local = gscale * (groups.abs().amax(dim=-1) / e2m1.MAX)
+    scale = e4m3.to_e4m3(local).to(torch.float32)
+    scale = torch.where(scale == 0, torch.tensor(0.125), scale)
+    codes = e2m1.encode(groups / (scale / gscale).unsqueeze(-1))
+    return Nvfp4Weight(codes.reshape(n, k), scale.to(e4m3.DTYPE), gscale)
