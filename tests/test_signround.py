@@ -51,34 +51,35 @@ def test_the_start_state_is_the_quantizers_solution_bit_for_bit(act_order):
 HELD_OUT = [8 * k + 7 for k in range(8)]  # 64 sequences: the last of each of the 8 shards is held out
 
 
-def _layer0_error(results: dict, ids: torch.Tensor) -> float:
-    """Layer 0's mean squared output error on the held-out sequences, by transformers' own forward:
-    the unquantized model against a copy whose layer-0 linears hold `results`' dequantized weights
-    (layer 0's inputs are the embeddings in both, so no other layer enters)."""
+def _layer0_error(results: dict, rows: torch.Tensor) -> float:
+    """Layer 0's mean squared output error on `rows`, by transformers' own forward: the unquantized
+    model against a copy whose layer-0 linears hold `results`' dequantized weights (layer 0's inputs
+    are the embeddings in both, so no other layer enters)."""
     fp, quantized = tiny_model("llama"), tiny_model("llama")
     for name, qw in results.items():
         if name.startswith("model.layers.0."):
             quantized.get_submodule(name).weight.data = qw.dequantize()
     with torch.no_grad():
-        rows = ids[HELD_OUT]
         want = fp(rows, output_hidden_states=True).hidden_states[1]
         got = quantized(rows, output_hidden_states=True).hidden_states[1]
     return float((got - want).pow(2).mean())
 
 
 def test_it_lowers_the_layer_output_error_on_held_out_rows_against_its_gptq_start():
-    """On calibration sequences no step ever used, layer 0's output error (transformers' forward of the
-    dequantized weights) is lower after signround than with GPTQ's weights alone, and what the step
-    logged as its start and kept state agrees with that recomputation."""
+    """Layer 0's output error (transformers' forward of the dequantized weights) on sequences outside
+    the calibration set is lower after signround than with GPTQ's weights alone; what the step logged
+    for its held-out calibration sequences (never stepped on) agrees with the same recomputation."""
     options = dict(iters=40, eval_every=4, step_rule="scaled", start_position="centre", scale_range=[1, 1])
     recipe, tuned, _, ids = _quantize("gptq,signround", options, n=64, seq=64)
     _, gptq, _, _ = _quantize("gptq", {}, n=64, seq=64)
-    before, after = _layer0_error(gptq, ids), _layer0_error(tuned, ids)
-    assert after < 0.98 * before, (before, after)
+    fresh = torch.randint(2, 256, (32, 64), generator=torch.Generator().manual_seed(7))
+    before, after = _layer0_error(gptq, fresh), _layer0_error(tuned, fresh)
+    assert after < 0.97 * before, (before, after)  # measured: 0.00804 -> 0.00758 (-5.8 %)
     log = recipe.refiners[0].log[0]
     assert log["layer"] == 0 and log["best_step"] > 0
-    assert log["held_out_start"] == pytest.approx(before, rel=1e-4)
-    assert log["held_out_best"] == pytest.approx(after, rel=1e-4)
+    assert log["held_out_start"] == pytest.approx(_layer0_error(gptq, ids[HELD_OUT]), rel=1e-4)
+    assert log["held_out_best"] == pytest.approx(_layer0_error(tuned, ids[HELD_OUT]), rel=1e-4)
+    assert log["held_out_best"] < log["held_out_start"]
 
 
 def test_options_are_checked_with_one_line():

@@ -129,7 +129,9 @@ class SignRoundRefiner(Refiner):
         # where each weight sits inside its quantizer's bin at the start: "rtn" (where round-to-nearest
         # put it in its own bin, as auto-round starts) or "centre" (every offset 1/2 from a boundary)
         "start_position": "rtn",
-        "offset_range": 0.5,  # |V| bound (auto-round's): a code moves at most one step from the quantizer's
+        # |V| bound: None is 0.5 from the "rtn" start (auto-round's) and 1 from the "centre" start (a
+        # position 1/2 from a boundary must be able to cross it); a code moves at most one step either way
+        "offset_range": None,
         "scale_range": [0.8, 1.25],  # bounds of the per-group scale factor a; [1, 1] keeps the scales
     }
 
@@ -144,7 +146,7 @@ class SignRoundRefiner(Refiner):
                                 f"calibration shard), got {o['samples_per_step']}")
         for key in ("lr", "lr_scale", "offset_range"):
             v = o[key]
-            if not (v is None and key == "lr") and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            if not (v is None and key in ("lr", "offset_range")) and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
                 raise QuantkitError(f"signround option {key} must be a positive number, got {v!r}")
         if o["step_rule"] not in ("sign", "scaled"):
             raise QuantkitError(f"signround option step_rule must be sign or scaled, got {o['step_rule']!r}")
@@ -254,7 +256,8 @@ class _LayerRun:
         scaled = o["step_rule"] == "scaled"
         keys = [f"{t.name}.weight" for t in linears]
         lo, hi = (float(v) for v in o["scale_range"])
-        bound = float(o["offset_range"])
+        bound = float(o["offset_range"] if o["offset_range"] is not None
+                      else 1.0 if o["start_position"] == "centre" else 0.5)
         iters, every = int(o["iters"]), int(o["eval_every"])
 
         def current(grad: bool) -> list[torch.Tensor]:
