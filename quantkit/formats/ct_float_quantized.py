@@ -1,0 +1,42 @@
+"""compressed-tensors "float-quantized" (FP8 weights: the FP8, FP8_DYNAMIC and FP8_BLOCK presets).
+
+Checked against compressed-tensors 0.20.1 (`compressors/naive_quantized`, FloatQuantizationCompressor):
+    weight        float8_e4m3fn [N, K]
+    weight_scale  float32       [1] (tensor) | [N, 1] (channel) | [ceil(N/r), ceil(K/c)] (block r x c)
+dequantized as weight * scale, the scale repeated over its tensor / row / block.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.float_codecs.fp8 import Fp8Weight
+from quantkit.formats.ct_tensor_checks import take
+
+FORMAT = "float-quantized"
+
+
+def scale_shape(shape: tuple[int, int], strategy: str, block_size: Optional[tuple[int, int]]) -> tuple[int, ...]:
+    n, k = shape
+    if strategy == "tensor":
+        return (1,)
+    if strategy == "channel":
+        return (n, 1)
+    if strategy == "block":
+        return (math.ceil(n / block_size[0]), math.ceil(k / block_size[1]))
+    raise QuantkitError(f"{FORMAT} stores FP8 weights per tensor, channel or block, not {strategy!r}")
+
+
+def pack(w: Fp8Weight) -> dict[str, torch.Tensor]:
+    return {"weight": w.values.contiguous(), "weight_scale": w.scale.to(torch.float32).contiguous()}
+
+
+def unpack(tensors: dict[str, torch.Tensor], shape: tuple[int, int], strategy: str,
+           block_size: Optional[tuple[int, int]] = None) -> Fp8Weight:
+    expected_scale = scale_shape(shape, strategy, block_size)
+    values = take(tensors, "weight", torch.float8_e4m3fn, shape, FORMAT)
+    scale = take(tensors, "weight_scale", torch.float32, expected_scale, FORMAT)
+    return Fp8Weight(values, scale, strategy, tuple(block_size) if block_size else None)

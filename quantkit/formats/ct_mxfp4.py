@@ -1,0 +1,30 @@
+"""compressed-tensors "mxfp4-pack-quantized" (the MXFP4A16 and MXFP4 presets).
+
+Checked against compressed-tensors 0.20.1 (`compressors/mxfp4`, MXFP4PackedCompressor):
+    weight_packed  uint8 [N, K/2]   two E2M1 codes per byte (`fp4_nibbles`)
+    weight_scale   uint8 [N, K/32]  E8M0 exponent, scale 2**(code - 127)
+No global scale.
+"""
+from __future__ import annotations
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.float_codecs.mxfp4 import GROUP_SIZE, Mxfp4Weight
+from quantkit.formats import fp4_nibbles
+from quantkit.formats.ct_tensor_checks import take
+
+FORMAT = "mxfp4-pack-quantized"
+
+
+def pack(w: Mxfp4Weight) -> dict[str, torch.Tensor]:
+    return {"weight_packed": fp4_nibbles.pack(w.codes), "weight_scale": w.scale_codes.contiguous()}
+
+
+def unpack(tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> Mxfp4Weight:
+    n, k = shape
+    if k % GROUP_SIZE:
+        raise QuantkitError(f"{FORMAT} needs an input size that is a multiple of {GROUP_SIZE}, got {k}")
+    packed = take(tensors, "weight_packed", torch.uint8, (n, k // 2), FORMAT)
+    scale = take(tensors, "weight_scale", torch.uint8, (n, k // GROUP_SIZE), FORMAT)
+    return Mxfp4Weight(fp4_nibbles.unpack(packed), scale)

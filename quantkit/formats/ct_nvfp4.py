@@ -1,0 +1,32 @@
+"""compressed-tensors "nvfp4-pack-quantized" (the NVFP4A16 and NVFP4 presets).
+
+Checked against compressed-tensors 0.20.1 (`compressors/nvfp4`, NVFP4PackedCompressor):
+    weight_packed        uint8         [N, K/2]   two E2M1 codes per byte (`fp4_nibbles`)
+    weight_scale         float8_e4m3fn [N, K/16]
+    weight_global_scale  float32       [1]        dequantized as e2m1 * weight_scale / weight_global_scale
+"""
+from __future__ import annotations
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.float_codecs.nvfp4 import GROUP_SIZE, Nvfp4Weight
+from quantkit.formats import fp4_nibbles
+from quantkit.formats.ct_tensor_checks import take
+
+FORMAT = "nvfp4-pack-quantized"
+
+
+def pack(w: Nvfp4Weight) -> dict[str, torch.Tensor]:
+    return {"weight_packed": fp4_nibbles.pack(w.codes), "weight_scale": w.group_scale.contiguous(),
+            "weight_global_scale": w.global_scale.to(torch.float32).reshape(1)}
+
+
+def unpack(tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> Nvfp4Weight:
+    n, k = shape
+    if k % GROUP_SIZE:
+        raise QuantkitError(f"{FORMAT} needs an input size that is a multiple of {GROUP_SIZE}, got {k}")
+    packed = take(tensors, "weight_packed", torch.uint8, (n, k // 2), FORMAT)
+    scale = take(tensors, "weight_scale", torch.float8_e4m3fn, (n, k // GROUP_SIZE), FORMAT)
+    global_scale = take(tensors, "weight_global_scale", torch.float32, (1,), FORMAT)
+    return Nvfp4Weight(fp4_nibbles.unpack(packed), scale, global_scale)

@@ -1,0 +1,107 @@
+"""compressed-tensors float layouts (#47): pack/unpack round trips, and compressed-tensors' own compressors
+(the oracle) writing the same bytes from quantkit's scales and decompressing quantkit's tensors to the same
+weights quantkit dequantizes."""
+import pytest
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.float_codecs import e8m0, fp8, mxfp4, nvfp4
+from quantkit.formats import ct_float_quantized, ct_mxfp4, ct_nvfp4, fp4_nibbles
+
+pytest.importorskip("compressed_tensors")
+from compressed_tensors.compressors.mxfp4 import MXFP4PackedCompressor  # noqa: E402
+from compressed_tensors.compressors.naive_quantized import FloatQuantizationCompressor  # noqa: E402
+from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor  # noqa: E402
+from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8  # noqa: E402
+from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme  # noqa: E402
+
+
+def _weight(n=64, k=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.04
+    w[7, 100] = -0.7
+    w[9, :32] = 0.0
+    return w
+
+
+def test_nibble_order_matches_compressed_tensors():
+    codes = torch.randint(0, 16, (8, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    from quantkit.float_codecs import e2m1
+    assert torch.equal(fp4_nibbles.pack(codes), pack_fp4_to_uint8(e2m1.decode(codes)))
+    assert torch.equal(fp4_nibbles.unpack(fp4_nibbles.pack(codes)), codes)
+    assert fp4_nibbles.pack(torch.tensor([[1, 2]], dtype=torch.uint8)).item() == 0x21
+
+
+def test_nvfp4_round_trip_and_compressed_tensors_agree():
+    w = _weight()
+    q = nvfp4.quantize(w)
+    tensors = ct_nvfp4.pack(q)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()} == {
+        "weight_packed": ((64, 128), torch.uint8), "weight_scale": ((64, 16), torch.float8_e4m3fn),
+        "weight_global_scale": ((1,), torch.float32)}
+    back = ct_nvfp4.unpack(tensors, (64, 256))
+    assert torch.equal(back.codes, q.codes) and torch.equal(back.global_scale, q.global_scale)
+    assert torch.equal(back.group_scale.view(torch.uint8), q.group_scale.view(torch.uint8))
+
+    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+    ct_written = NVFP4PackedCompressor.compress(
+        {"weight": w, "weight_scale": q.group_scale.to(torch.float32), "weight_global_scale": q.global_scale},
+        scheme)
+    assert torch.equal(ct_written["weight_packed"], tensors["weight_packed"])
+    assert torch.equal(ct_written["weight_scale"].view(torch.uint8), tensors["weight_scale"].view(torch.uint8))
+
+    ct_read = NVFP4PackedCompressor.decompress(dict(tensors), scheme)["weight"]
+    assert ct_read.dtype == torch.bfloat16
+    assert torch.equal(ct_read, back.dequantize(torch.bfloat16))
+
+
+def test_mxfp4_round_trip_and_compressed_tensors_agree():
+    w = _weight(seed=1)
+    q = mxfp4.quantize(w)
+    tensors = ct_mxfp4.pack(q)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()} == {
+        "weight_packed": ((64, 128), torch.uint8), "weight_scale": ((64, 8), torch.uint8)}
+    back = ct_mxfp4.unpack(tensors, (64, 256))
+    assert torch.equal(back.codes, q.codes) and torch.equal(back.scale_codes, q.scale_codes)
+
+    scheme = preset_name_to_scheme("MXFP4A16", ["Linear"])
+    ct_written = MXFP4PackedCompressor.compress(
+        {"weight": w, "weight_scale": e8m0.decode(q.scale_codes)}, scheme)
+    assert torch.equal(ct_written["weight_packed"], tensors["weight_packed"])
+    assert torch.equal(ct_written["weight_scale"], tensors["weight_scale"])
+
+    ct_read = MXFP4PackedCompressor.decompress(dict(tensors), scheme)["weight"]
+    assert torch.equal(ct_read, back.dequantize(torch.bfloat16))
+
+
+@pytest.mark.parametrize("preset, strategy, block, shape", [
+    ("FP8", "tensor", None, (64, 256)), ("FP8_DYNAMIC", "channel", None, (64, 256)),
+    ("FP8_BLOCK", "block", (128, 128), (64, 256)), ("FP8_BLOCK", "block", (128, 128), (200, 300))])
+def test_fp8_round_trip_and_compressed_tensors_agree(preset, strategy, block, shape):
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(2)) * 0.03
+    q = fp8.quantize(w, strategy, block)
+    tensors = ct_float_quantized.pack(q)
+    back = ct_float_quantized.unpack(tensors, shape, strategy, block)
+    assert torch.equal(back.values.view(torch.uint8), q.values.view(torch.uint8))
+    assert torch.equal(back.scale, q.scale)
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    ct_written = FloatQuantizationCompressor.compress({"weight": w, "weight_scale": q.scale}, scheme)
+    assert torch.equal(ct_written["weight"].view(torch.uint8), tensors["weight"].view(torch.uint8))
+
+    ct_read = FloatQuantizationCompressor.decompress(dict(tensors), scheme)["weight"]
+    assert torch.equal(ct_read, back.dequantize(torch.float32))
+
+
+def test_tensors_that_disagree_with_the_config_are_refused_in_one_line():
+    tensors = ct_nvfp4.pack(nvfp4.quantize(_weight()))
+    with pytest.raises(QuantkitError, match=r"weight_packed is torch.uint8 \(64, 128\), expected torch.uint8 "
+                                            r"\(64, 64\)"):
+        ct_nvfp4.unpack(tensors, (64, 128))
+    bad = dict(tensors, weight_scale=tensors["weight_scale"].to(torch.float32))
+    with pytest.raises(QuantkitError, match="weight_scale is torch.float32"):
+        ct_nvfp4.unpack(bad, (64, 256))
+    with pytest.raises(QuantkitError, match="lacks weight_scale"):
+        ct_mxfp4.unpack({"weight_packed": tensors["weight_packed"]}, (64, 256))
+    with pytest.raises(QuantkitError, match="per tensor, channel or block, not 'group'"):
+        ct_float_quantized.unpack({}, (64, 256), "group")
