@@ -32,10 +32,10 @@ def layout_of(preset: SchemePreset) -> str:
     if preset.name not in WRITABLE:
         raise QuantkitError(f"--scheme {preset.name} cannot be written by round-to-nearest yet (it needs "
                             f"calibrated activation scales or is an integer scheme); choose one of {', '.join(WRITABLE)}")
-    w = preset.weights
-    if w.bits == 8:
-        return ct_float_quantized.FORMAT
-    return ct_nvfp4.FORMAT if w.group_size == nvfp4.GROUP_SIZE else ct_mxfp4.FORMAT
+    for layout in (ct_float_quantized, ct_nvfp4, ct_mxfp4):
+        if layout.can_store(preset.weights)[0]:
+            return layout.FORMAT
+    raise QuantkitError(f"no compressed-tensors float layout stores --scheme {preset.name}'s weights")
 
 
 def quantize_weight(weight: torch.Tensor, preset: SchemePreset) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

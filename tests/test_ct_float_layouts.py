@@ -105,3 +105,17 @@ def test_tensors_that_disagree_with_the_config_are_refused_in_one_line():
         ct_mxfp4.unpack({"weight_packed": tensors["weight_packed"]}, (64, 256))
     with pytest.raises(QuantkitError, match="per tensor, channel or block, not 'group'"):
         ct_float_quantized.unpack({}, (64, 256), "group")
+
+
+def test_each_layout_says_which_presets_it_can_store():
+    from quantkit.scheme_presets import PRESETS
+
+    stores = {mod.FORMAT: sorted(n for n, p in PRESETS.items() if mod.can_store(p.weights)[0])
+              for mod in (ct_float_quantized, ct_nvfp4, ct_mxfp4)}
+    assert stores == {"float-quantized": ["FP8", "FP8_BLOCK", "FP8_DYNAMIC"],
+                      "nvfp4-pack-quantized": ["NVFP4", "NVFP4A16"],
+                      "mxfp4-pack-quantized": ["MXFP4", "MXFP4A16"]}
+    ok, reason = ct_mxfp4.can_store(PRESETS["NVFP4A16"].weights)
+    assert not ok and reason.startswith("mxfp4-pack-quantized stores FP4 (E2M1) weights in groups of 32")
+    assert ct_float_quantized.can_store(PRESETS["W4AFP8"].weights) == (
+        False, "float-quantized stores FP8 (E4M3) weights, not int 4-bit")

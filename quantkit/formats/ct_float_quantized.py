@@ -15,8 +15,18 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.float_codecs.fp8 import Fp8Weight
 from quantkit.formats.ct_tensor_checks import take
+from quantkit.scheme_presets import QuantArgs
 
 FORMAT = "float-quantized"
+
+
+def can_store(weights: QuantArgs) -> tuple[bool, str]:
+    """Whether this layout stores weights quantized as `weights`, and if not, why (one line)."""
+    if (weights.kind, weights.bits) != ("float", 8):
+        return False, f"{FORMAT} stores FP8 (E4M3) weights, not {weights.kind} {weights.bits}-bit"
+    if weights.strategy not in ("tensor", "channel", "block"):
+        return False, f"{FORMAT} stores FP8 scales per tensor, channel or block, not per {weights.strategy}"
+    return True, ""
 
 
 def scale_shape(shape: tuple[int, int], strategy: str, block_size: Optional[tuple[int, int]]) -> tuple[int, ...]:

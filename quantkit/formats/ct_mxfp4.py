@@ -13,8 +13,20 @@ from quantkit.errors import QuantkitError
 from quantkit.float_codecs.mxfp4 import GROUP_SIZE, Mxfp4Weight
 from quantkit.formats import fp4_nibbles
 from quantkit.formats.ct_tensor_checks import take
+from quantkit.scheme_presets import QuantArgs
 
 FORMAT = "mxfp4-pack-quantized"
+
+
+def can_store(weights: QuantArgs) -> tuple[bool, str]:
+    """Whether this layout stores weights quantized as `weights`, and if not, why (one line)."""
+    wanted = ("float", 4, "group", GROUP_SIZE, "uint8")
+    got = (weights.kind, weights.bits, weights.strategy, weights.group_size, weights.scale_dtype)
+    if got != wanted:
+        return False, (f"{FORMAT} stores FP4 (E2M1) weights in groups of {GROUP_SIZE} with E8M0 scales, not "
+                       f"{weights.kind} {weights.bits}-bit {weights.strategy} group {weights.group_size} "
+                       f"scale {weights.scale_dtype}")
+    return True, ""
 
 
 def pack(w: Mxfp4Weight) -> dict[str, torch.Tensor]:

@@ -13,8 +13,20 @@ from quantkit.errors import QuantkitError
 from quantkit.float_codecs.nvfp4 import GROUP_SIZE, Nvfp4Weight
 from quantkit.formats import fp4_nibbles
 from quantkit.formats.ct_tensor_checks import take
+from quantkit.scheme_presets import QuantArgs
 
 FORMAT = "nvfp4-pack-quantized"
+
+
+def can_store(weights: QuantArgs) -> tuple[bool, str]:
+    """Whether this layout stores weights quantized as `weights`, and if not, why (one line)."""
+    wanted = ("float", 4, "tensor_group", GROUP_SIZE, "float8_e4m3fn")
+    got = (weights.kind, weights.bits, weights.strategy, weights.group_size, weights.scale_dtype)
+    if got != wanted:
+        return False, (f"{FORMAT} stores FP4 (E2M1) weights in groups of {GROUP_SIZE} with E4M3 scales under a "
+                       f"global scale, not {weights.kind} {weights.bits}-bit {weights.strategy} "
+                       f"group {weights.group_size} scale {weights.scale_dtype}")
+    return True, ""
 
 
 def pack(w: Nvfp4Weight) -> dict[str, torch.Tensor]:
