@@ -31,7 +31,8 @@ def layout_of(preset: SchemePreset) -> str:
     """The compressed-tensors format that stores this preset's weights."""
     if preset.name not in WRITABLE:
         raise QuantkitError(f"--scheme {preset.name} cannot be written by round-to-nearest yet (it needs "
-                            f"calibrated activation scales or is an integer scheme); choose one of {', '.join(WRITABLE)}")
+                            "calibrated activation scales or is an integer scheme); "
+                            f"choose one of {', '.join(WRITABLE)}")
     for layout in (ct_float_quantized, ct_nvfp4, ct_mxfp4):
         if layout.can_store(preset.weights)[0]:
             return layout.FORMAT
