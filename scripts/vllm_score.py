@@ -36,7 +36,7 @@ def _first_line(e: BaseException) -> str:
     for line in lines[1:]:
         if line.startswith("Value error,"):
             return line[len("Value error,"):].split(" [type=")[0].strip()[:500]
-    return lines[0][:500]
+    return " ".join(lines)[:1000]  # vLLM lists its reasons on the lines after the first
 
 
 def _release(llm) -> None:

@@ -32,14 +32,21 @@ WINDOWS, WINDOW_LEN = 5, 129  # 5 x 128 = 640 scored positions (the issue asks f
 TOP_K = 20
 CALIBRATION = dict(num_samples=8, seq_len=128)  # small: the tier checks layouts, not quality
 
-# Thresholds, from the spread vLLM shows where the weights are identical (measured here, 2 cores,
+# Thresholds, from the spread vLLM shows where the weights are identical (measured here on 2 busy cores,
 # vLLM 0.32 CPU in bfloat16 against quantkit's reference loader in float32, 640 held-out positions):
 #   the unquantized demo model, vLLM bfloat16:  top-1 agreement 0.975, coarse KL 0.0008
 #   the unquantized demo model, vLLM float32:   top-1 agreement 1.000, coarse KL 3e-11
-# vLLM's bfloat16 activations are the whole difference there; a packed layout that vLLM decodes
-# differently from quantkit (a wrong zero, a swapped group) moves top-1 to ~0.1-0.5 and KL above 0.5.
-MIN_TOP1 = 0.90
-MAX_KL = 0.02
+#   weight-only layouts (gptq default / per channel / no act-order, awq sym / zero point, ct w4a16 asym):
+#                                               top-1 0.956-0.973, KL 0.0011-0.0012
+# vLLM's bfloat16 activations are the whole difference there. W8A8 adds vLLM's own int8 rounding of
+# bfloat16 activations (quantkit rounds float32 ones), so a rounding flip in one layer feeds the next:
+#   ct-w8a8 (SmoothQuant), the demo's first 4 layers:  top-1 0.931, KL 0.0051
+# What the thresholds can tell apart (measured the same way): vLLM's gptq default against the
+# unquantized model, i.e. the whole 4-bit error, top-1 0.741, KL 0.196; vLLM's awq zero-point folder
+# against quantkit's symmetric one (other 4-bit codes of the same weights), top-1 0.670, KL 0.230.
+# A layout vLLM decoded differently from quantkit would differ at least that much.
+MIN_TOP1, MAX_KL = 0.92, 0.005  # weight-only: ~1.5 points of top-1 and 4x the KL below the worst measured
+W8A8_MIN_TOP1, W8A8_MAX_KL = 0.85, 0.03
 
 
 @dataclass
@@ -48,15 +55,17 @@ class Layout:
     quantize: dict = field(default_factory=dict)  # quantkit.quantize keyword arguments
     cli: list[str] | None = None  # or a `quantkit quantize` command line, as a user types it
     dtype: str = "bfloat16"  # vLLM's dtype for the folder
+    w8a8: bool = False  # int8 activations: W8A8 thresholds
 
 
 LAYOUTS = [
     # the user's own command: GPTQ 4-bit, act-order with static groups
     Layout("gptq-default", cli=["--method", "gptq", "--bits", "4"]),
-    Layout("gptq-no-act-order", cli=["--method", "gptq", "--bits", "4", "--no-desc-act"]),
     Layout("gptq-dynamic-act-order", cli=["--method", "gptq", "--bits", "4", "--no-static-groups"]),
     # the other flags change the stored scheme only, which RTN writes in the same layout, faster
-    # (AWQ's scales are folded into the weights before packing: its layout is the RTN one's)
+    # (--no-desc-act: RTN's trivial g_idx and desc_act false; AWQ's scales are folded into the
+    # weights before packing: its layout is the RTN one's)
+    Layout("gptq-no-act-order", cli=["--method", "rtn", "--option", "mse=false", "--bits", "4", "--format", "gptq"]),
     Layout("gptq-w8", cli=["--method", "rtn", "--option", "mse=false", "--bits", "8", "--format", "gptq"]),
     Layout("gptq-w4-per-channel", cli=["--method", "rtn", "--option", "mse=false", "--bits", "4", "--group-size", "-1", "--format", "gptq"]),
     Layout("gptq-asym", cli=["--method", "rtn", "--option", "mse=false", "--bits", "4", "--asym", "--format", "gptq"]),
@@ -66,7 +75,7 @@ LAYOUTS = [
     Layout("ct-w4a16", cli=["--method", "gptq", "--bits", "4", "--format", "compressed-tensors"]),
     Layout("ct-w4a16-asym", cli=["--method", "rtn", "--option", "mse=false", "--bits", "4", "--asym", "--format", "compressed-tensors"]),
     Layout("ct-w8a16", cli=["--method", "rtn", "--option", "mse=false", "--bits", "8", "--format", "compressed-tensors"]),
-    Layout("ct-w8a8", cli=["--method", "smoothquant"]),
+    Layout("ct-w8a8", cli=["--method", "smoothquant"], w8a8=True),
 ]
 
 
@@ -216,7 +225,9 @@ def test_layout_in_vllm_matches_support_matrix(scored, name):
     if refusal is None:
         assert r["ok"], f"the support matrix says vLLM serves {name}, but: {r.get('error')}"
         assert r["positions"] >= 512
-        assert r["top1"] >= MIN_TOP1 and r["kl"] <= MAX_KL, r
+        w8a8 = next(layout.w8a8 for layout in LAYOUTS if layout.name == name)
+        min_top1, max_kl = (W8A8_MIN_TOP1, W8A8_MAX_KL) if w8a8 else (MIN_TOP1, MAX_KL)
+        assert r["top1"] >= min_top1 and r["kl"] <= max_kl, r
     else:
         assert not r["ok"], f"vLLM now serves {name} (top1 {r['top1']:.3f}, KL {r['kl']:.4f}); " \
                             f"the support matrix says it refuses it: {refusal}"
