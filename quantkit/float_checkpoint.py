@@ -22,6 +22,8 @@ from quantkit.float_codecs import fp8, mxfp4, nvfp4
 from quantkit.formats import ct_float_quantized, ct_mxfp4, ct_nvfp4
 from quantkit.scheme_presets import QuantArgs, SchemePreset
 
+_LAYOUTS = {m.FORMAT: m for m in (ct_float_quantized, ct_nvfp4, ct_mxfp4)}
+
 CT_VERSION = "0.20.1"  # the compressed-tensors release whose config schema this follows
 WRITABLE = ("FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16", "MXFP4")
 DEFAULT_IGNORE = (r"(^|\.)lm_head$",)
@@ -120,3 +122,63 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return dequantized
+
+
+def _args_from_config(d: dict) -> QuantArgs:
+    """compressed-tensors' QuantizationArgs schema -> QuantArgs (validated, so nonsense is one line)."""
+    scale_dtype = d.get("scale_dtype")
+    block = d.get("block_structure")
+    try:
+        return QuantArgs(kind=d["type"], bits=int(d["num_bits"]), strategy=d["strategy"],
+                         group_size=d.get("group_size"), block_size=tuple(block) if block else None,
+                         scale_dtype=str(scale_dtype).removeprefix("torch.") if scale_dtype else None,
+                         dynamic=d.get("dynamic", False), symmetric=d.get("symmetric", True))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise QuantkitError(f"unreadable weights entry in quantization_config ({exc}); re-export the checkpoint")
+
+
+def read_dequantized(folder: os.PathLike) -> dict[str, torch.Tensor]:
+    """{module name: float32 weight} of a single-group compressed-tensors float checkpoint in `folder`
+    (float-quantized, nvfp4-pack-quantized or mxfp4-pack-quantized), reading only that folder's
+    *.safetensors files (no pickle)."""
+    from safetensors.torch import load_file
+
+    root = Path(folder)
+    try:
+        qcfg = json.loads((root / "config.json").read_text())["quantization_config"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise QuantkitError(f"{root} has no readable config.json with a quantization_config ({exc})") from None
+    groups = list((qcfg.get("config_groups") or {}).values())
+    if qcfg.get("quant_method") != "compressed-tensors" or len(groups) != 1:
+        raise QuantkitError("only single-group compressed-tensors float checkpoints are read yet")
+    layout = _LAYOUTS.get(groups[0].get("format") or qcfg.get("format"))
+    if layout is None:
+        raise QuantkitError(f"format {qcfg.get('format')!r} is not a compressed-tensors float layout; "
+                            f"expected one of {', '.join(_LAYOUTS)}")
+    weights = _args_from_config(groups[0].get("weights") or {})
+    ok, reason = layout.can_store(weights)
+    if not ok:
+        raise QuantkitError(f"quantization_config disagrees with itself: {reason}")
+    tensors = {}
+    for path in sorted(root.glob("*.safetensors")):
+        try:
+            tensors.update(load_file(str(path)))
+        except Exception as exc:  # safetensors raises its own error type for a damaged file
+            raise QuantkitError(f"cannot read {path.name}: {str(exc).splitlines()[0] if str(exc) else exc!r}; "
+                                "the file is damaged, re-download or re-export it") from None
+    marker = "weight_packed" if layout is not ct_float_quantized else "weight_scale"
+    modules = sorted(k[: -len(marker) - 1] for k in tensors if k.endswith("." + marker))
+    out = {}
+    for name in modules:
+        own = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+        if layout is ct_float_quantized:
+            if "weight" not in own:
+                raise QuantkitError(f"{name} has a weight_scale but no weight; the checkpoint is incomplete")
+            q = layout.unpack(own, tuple(own["weight"].shape), weights.strategy, weights.block_size)
+        else:
+            packed = own["weight_packed"]
+            q = layout.unpack(own, (packed.shape[0], packed.shape[1] * 2))
+        out[name] = q.dequantize()
+    if not out:
+        raise QuantkitError(f"{root} holds no {layout.FORMAT} tensors; the checkpoint does not match its config")
+    return out

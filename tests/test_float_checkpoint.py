@@ -49,3 +49,93 @@ def test_presets_that_need_calibration_are_refused(tmp_path):
     (tmp_path / "taken").mkdir()
     with pytest.raises(QuantkitError, match="already exists"):
         write(_tiny_llama(), preset("NVFP4A16"), tmp_path / "taken")
+
+
+@pytest.mark.parametrize("name", WRITABLE)
+def test_quantkit_reads_back_what_it_wrote(tmp_path, name):
+    from quantkit.float_checkpoint import read_dequantized
+
+    ours = write(_tiny_llama(), preset(name), tmp_path / name)
+    back = read_dequantized(tmp_path / name)
+    assert sorted(back) == sorted(ours)
+    for module_name, w in ours.items():
+        assert torch.equal(back[module_name], w), module_name
+
+
+@pytest.mark.parametrize("name", ["NVFP4A16", "MXFP4A16", "FP8_DYNAMIC", "FP8_BLOCK"])
+def test_quantkit_reads_a_checkpoint_compressed_tensors_wrote(tmp_path, name):
+    """compressed-tensors writes (its apply_quantization_config + ModelCompressor, scales from its own
+    calculate_qparams / generate_gparam, as llm-compressor's RTN would); quantkit's reader must get exactly the
+    weights compressed-tensors itself decompresses."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    from quantkit.float_checkpoint import read_dequantized
+
+    model = _tiny_llama()
+    scheme = preset_name_to_scheme(name, ["Linear"])
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    args = scheme.weights
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear) or module_name == "lm_head":
+                continue
+            w = module.weight
+            global_scale = None
+            if hasattr(module, "weight_global_scale"):
+                global_scale = generate_gparam(w.amin(), w.amax())
+                module.weight_global_scale.copy_(global_scale)
+            if args.strategy in ("group", "tensor_group"):
+                g = w.reshape(w.shape[0], -1, args.group_size)
+                lo, hi = g.amin(-1), g.amax(-1)
+            elif args.strategy == "block":
+                nb, kb = -(-w.shape[0] // 128), -(-w.shape[1] // 128)  # k/v_proj have 64 rows: zero-pad
+                padded = torch.nn.functional.pad(w, (0, kb * 128 - w.shape[1], 0, nb * 128 - w.shape[0]))
+                b = padded.reshape(nb, 128, kb, 128)
+                lo, hi = b.amin(dim=(1, 3)), b.amax(dim=(1, 3))
+            else:
+                lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+            scale, _ = calculate_qparams(lo, hi, args, global_scale=global_scale)
+            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    out = tmp_path / f"ct-{name}"
+    model.save_pretrained(out)
+    compressor.update_config(out)
+
+    ours = read_dequantized(out)
+    assert len(ours) == 7
+    # quantkit's own RTN of the same model gives the same weights compressed-tensors wrote
+    written = write(_tiny_llama(), preset(name), tmp_path / f"qk-{name}")
+    assert all(torch.equal(written[m], ours[m]) for m in ours)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
+    for module_name, w in ours.items():
+        got = loaded.get_submodule(module_name).weight.detach()
+        want = w.to(torch.bfloat16).to(got.dtype) if "FP4" in name else w.to(got.dtype)
+        assert torch.equal(got, want), module_name
+
+
+def test_reader_refuses_what_it_cannot_read(tmp_path):
+    from quantkit.float_checkpoint import read_dequantized
+
+    with pytest.raises(QuantkitError, match="no readable config.json"):
+        read_dequantized(tmp_path)
+    write(_tiny_llama(), preset("NVFP4A16"), tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 32
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(QuantkitError, match="disagrees with itself: nvfp4-pack-quantized stores FP4"):
+        read_dequantized(tmp_path / "m")
+
+
+def test_reader_refuses_a_damaged_safetensors_file(tmp_path):
+    from quantkit.float_checkpoint import read_dequantized
+
+    write(_tiny_llama(), preset("MXFP4A16"), tmp_path / "m")
+    data = (tmp_path / "m" / "model.safetensors").read_bytes()
+    (tmp_path / "m" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(QuantkitError, match="cannot read model.safetensors: .*damaged"):
+        read_dequantized(tmp_path / "m")
