@@ -36,7 +36,6 @@ import torch.utils.data
 
 from quantkit.errors import QuantkitError
 
-TEXT_DEFAULTS = {"num_samples": 128, "seq_len": 512}  # = quantkit.plan.CALIBRATION_DEFAULTS for text sources
 ACCEPTED = ("a dataset name or file, a list of strings or chat conversations, a datasets.Dataset (text, messages "
             "or input_ids column), or token ids: tensors, {'input_ids': ...} dicts, or a DataLoader/iterable of them")
 
@@ -63,12 +62,13 @@ def calibration_tokens(source: Any, tokenizer, *, num_samples: Optional[int] = N
     """The calibration rows of any accepted ``source`` (see the module docstring). ``num_samples`` and
     ``seq_len`` are the caller's explicit choices (None: not given); text sources fill in the defaults."""
     from quantkit import data
+    from quantkit.plan import CALIBRATION_DEFAULTS
 
     kind, value, label = _classify(source)
     if kind == "text":
         ids = data.calibration_batches(value, tokenizer, seed=seed, chat_template=chat_template,
-                                       num_samples=num_samples or TEXT_DEFAULTS["num_samples"],
-                                       seq_len=seq_len or TEXT_DEFAULTS["seq_len"])
+                                       num_samples=num_samples or CALIBRATION_DEFAULTS["num_samples"],
+                                       seq_len=seq_len or CALIBRATION_DEFAULTS["seq_len"])
         return CalibrationTokens(ids, label)
     return _shape_rows(value, label, num_samples, seq_len, seed)
 
