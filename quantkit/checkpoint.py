@@ -147,6 +147,7 @@ def write_checkpoint(
         except (ValueError, OSError):
             pass
     card = model_card(base_model, format_name, method, qcfg, specs)
+    _notice_vllm_refusal(format_name, specs)
     if moe is not None:
         card += moe_card_section(moe)
         (stage / MOE_REPORT).write_text(json.dumps(moe, indent=1, sort_keys=True) + "\n")
@@ -290,6 +291,16 @@ def moe_card_section(moe: dict[str, Any]) -> str:
               "per-expert path) and quantkit.load from every layout; the vLLM kernel above is read from vLLM's "
               "code, not loaded in a test (docs/support-matrix.md).", ""]
     return "\n".join(lines)
+
+
+def _notice_vllm_refusal(format_name: str, specs: dict[str, LinearSpec]) -> None:
+    """Say at write time, not only in the card, when the support matrix knows vLLM refuses the layout."""
+    from quantkit.formats.loaders import VLLM, vllm_refusal
+    from quantkit.notices import notice
+
+    refusal = vllm_refusal(format_name, specs.values()) if format_name != "gguf" else None
+    if refusal:
+        notice(f"quantkit: {VLLM} will not load this checkpoint: {refusal}")
 
 
 def append_card_metrics(folder: Path, metrics: dict[str, Any], model_index: Optional[dict[str, Any]] = None) -> None:

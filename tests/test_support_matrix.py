@@ -34,3 +34,19 @@ def test_asymmetric_compressed_tensors_card_does_not_claim_transformers():
 def test_gguf_card_names_llama_cpp_only():
     lines = loaders.loaders_checked("gguf", _specs().values())
     assert len(lines) == 1 and lines[0].startswith("llama.cpp")
+
+
+def test_writing_a_layout_vllm_refuses_says_so(tmp_path, tiny_llama_dir):
+    import warnings
+
+    import quantkit
+    from quantkit.notices import reset_notices
+
+    reset_notices()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quantkit.quantize(str(tiny_llama_dir), "rtn", bits=4, group_size=32, sym=False, format="gptq",
+                          output=tmp_path / "asym", progress=False, options={"mse": False})
+    said = [str(w.message) for w in caught if "will not load this checkpoint" in str(w.message)]
+    assert len(said) == 1 and "asymmetric" in said[0]
+    assert "refuses it" in (tmp_path / "asym" / "README.md").read_text()
