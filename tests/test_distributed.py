@@ -110,6 +110,7 @@ def _collectives_rank(rank: int, world: int, port: int, out: str) -> None:
     leave_group()
 
 
+@pytest.mark.slow  # starts rank processes (each imports torch): seconds each on two cores
 def test_collectives_on_four_gloo_ranks(tmp_path):
     """The tree sum is ((r0 + r1) + (r2 + r3)) bit for bit on every rank (not the left fold, which
     these values tell apart); rows gather in rank order; ordered sums fold left in rank order."""
@@ -180,6 +181,7 @@ def _shared_solver_rank(rank: int, world: int, port: int, out: str) -> None:
     leave_group()
 
 
+@pytest.mark.slow  # starts rank processes (each imports torch): seconds each on two cores
 def test_ranks_share_each_gptq_solve_by_rows_and_all_hold_the_whole_solve(tmp_path):
     """Four ranks each solve a share of the rows (37 rows: unequal shares) and gather them: every rank
     holds exactly what one whole solve gives (codes, scales, zeros, g_idx, per-row losses), and the
@@ -219,6 +221,7 @@ exit_process(2)  # an error found after joining: no leave_group
 """
 
 
+@pytest.mark.slow  # twelve rank processes (each imports torch)
 def test_a_rank_that_ends_holding_its_group_exits_with_its_code_and_says_nothing_else():
     """A rank leaving on an error still holds its gloo group. Plain sys.exit there aborts in
     interpreter finalization ("terminate called without an active exception", SIGABRT) in about a
@@ -249,6 +252,7 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.slow  # starts rank processes (each imports torch): seconds each on two cores
 def test_two_gloo_ranks_write_the_single_process_bytes(variant, tiny_llama_dir, tmp_path):
     import quantkit
 
@@ -263,6 +267,7 @@ def test_two_gloo_ranks_write_the_single_process_bytes(variant, tiny_llama_dir, 
     assert tree_sha256(tmp_path / "two") == tree_sha256(tmp_path / "one")
 
 
+@pytest.mark.slow  # starts rank processes (each imports torch): seconds each on two cores
 def test_gptaq_interrupted_in_one_process_resumes_on_two_ranks(tiny_llama_dir, tmp_path, monkeypatch):
     """GPTAQ carries the unquantized model's stream from layer to layer: saved whole by rank 0 (one
     process here), each rank of the resumed run takes its samples' rows of it back."""
@@ -324,6 +329,7 @@ def _assert_one_line(proc, *needles) -> str:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the rank processes through /proc")
+@pytest.mark.slow  # starts rank processes (each imports torch): seconds each on two cores
 def test_a_killed_or_hung_rank_ends_the_run_and_resume_finishes_it_at_any_rank_count(tmp_path, six_layer_llama):
     args = ["--model", six_layer_llama, "--method", "gptq", "--group-size", "32", "--num-samples", "8",
             "--seq-len", "64", "--json"]
@@ -354,6 +360,7 @@ def test_a_killed_or_hung_rank_ends_the_run_and_resume_finishes_it_at_any_rank_c
 
 # ------------------------------------------------------------------ torchrun runs the same code as --nproc
 
+@pytest.mark.slow  # starts rank processes (each imports torch): seconds each on two cores
 def test_torchrun_writes_what_nproc_writes(tmp_path, six_layer_llama):
     """`torchrun --nproc-per-node 2 -m quantkit quantize ...` uses the launched group: the bytes of
     `--nproc 2` (and of one process). torchrun sets OMP_NUM_THREADS=1 for its workers unless told:
@@ -417,6 +424,7 @@ class LocalMeanRTN(Quantizer):
         return rtn_quantize(weight, scheme.bits, scheme.group_size, scheme.sym, module.bias)
 
 
+@pytest.mark.slow  # starts rank processes (each imports torch): seconds each on two cores
 def test_ranks_that_would_write_different_layers_stop_the_run(tiny_llama_dir, tmp_path):
     import quantkit
     from quantkit.errors import QuantkitError
@@ -427,6 +435,7 @@ def test_ranks_that_would_write_different_layers_stop_the_run(tiny_llama_dir, tm
     assert "layer 0" in str(failed.value) and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # starts rank processes (each imports torch): seconds each on two cores
 def test_an_input_problem_on_ranks_is_said_as_one_process_says_it(tmp_path, tiny_llama_dir):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "file").write_text("mine")

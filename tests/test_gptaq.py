@@ -46,6 +46,7 @@ def test_gptq_on_the_target_reproduces_the_unquantized_output_better():
     assert error(aware.dequantize()) < 0.3 * error(plain.dequantize())
 
 
+@pytest.mark.slow  # ~7 CPU s
 def test_pipeline_feeds_the_unquantized_models_inputs_as_reference(tiny_llama_dir):
     """With gptaq the recipe observes, beside each linear's input, the same rows' input in the
     unquantized model: at layer 1 that is what an untouched copy of the model gives there."""

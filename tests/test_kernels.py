@@ -364,6 +364,7 @@ print("compiled")
 '''
 
 
+@pytest.mark.slow  # subprocesses that import triton and compile: ~6 CPU s
 def test_autotune_switch_picks_the_fixed_gpu_configs():
     """QUANTKIT_TRITON_AUTOTUNE=0 (read at import) replaces autotuning by one fixed config per GEMM on
     a GPU; the interpreter always takes its own fixed configs. Fresh processes: the flag is read once."""
@@ -390,6 +391,7 @@ def test_autotune_switch_picks_the_fixed_gpu_configs():
 
 @pytest.mark.skipif(DEVICE == "cuda" and not DG.INTERPRET,
                     reason="with a GPU the kernel tests compile and run for real")
+@pytest.mark.slow  # subprocesses that import triton and compile: ~6 CPU s
 def test_kernels_compile_for_sm90_without_gpu(tmp_path):
     """The interpreter skips GPU-only rules (tl.dot >= 16, layouts, dtypes): compile real sm_90
     binaries ahead of time with triton's bundled ptxas, in a fresh process without the interpreter."""
