@@ -54,7 +54,11 @@ def transformers_status(fmt: str, specs: Iterable[LinearSpec]) -> str:
                     "weight_zero_point unpacked [out, groups], the decompressor then unpacks it as packed "
                     "int32, and compressed-tensors' own compressor writes it packed [out/8, groups]; "
                     "no layout that vLLM and compressed-tensors also read satisfies both")
-        return f"{TRANSFORMERS}: loads, logits checked against quantkit's loader (tests/test_external_oracle.py)"
+        if all(s.input_quant is not None for s in specs):
+            return f"{TRANSFORMERS}: loads, logits checked against quantkit's loader (tests/test_smoothquant.py)"
+        if all(s.input_quant is not None or s.bits == 4 for s in specs):
+            return f"{TRANSFORMERS}: loads, logits checked against quantkit's loader (tests/test_external_oracle.py)"
+        return f"{TRANSFORMERS}: not checked for this bit width"
     if fmt in ("gptq", "awq"):
         return "transformers: needs GPTQModel / an AWQ backend, not installed here: not checked"
     return "transformers: not checked"
