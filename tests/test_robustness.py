@@ -144,6 +144,7 @@ def small_llama_dir(tmp_path_factory) -> Path:
                                             layers_per_shard=3, seed=1)
 
 
+@pytest.mark.slow  # five CLI runs, one killed mid-way
 def test_gptq_deterministic_and_resume_after_sigkill_replays_calibration(tmp_path, small_llama_dir):
     """GPTQ with calibration: two runs give the same bytes; a SIGKILLed run resumed (the finished
     layers restored, the calibration activations replayed through them) gives them too."""
@@ -648,6 +649,7 @@ def fuzz_bases(tmp_path_factory, demo_dir) -> list[Path]:
     return bases
 
 
+@pytest.mark.slow  # three CLI quantize runs for its bases, then forked loads
 def test_fuzzed_checkpoints_fail_cleanly_or_load_correctly(tmp_path, fuzz_bases):
     import transformers
 
@@ -701,6 +703,7 @@ def test_fuzzed_checkpoints_fail_cleanly_or_load_correctly(tmp_path, fuzz_bases)
     assert not accepted, json.dumps(accepted, indent=1)[:6000]
 
 
+@pytest.mark.slow  # the same three CLI quantize runs (module fixture)
 def test_cli_names_the_file_for_a_hostile_checkpoint(tmp_path, fuzz_bases):
     """The CLI face of the fuzz: exit 2 and one line (no traceback) for a pickle posing as safetensors."""
     bad = tmp_path / "bad"
