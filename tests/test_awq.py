@@ -594,6 +594,7 @@ def _decoder_layer_inputs(model, ids, inputs_option):
     return seen
 
 
+@pytest.mark.slow  # ~11 CPU s
 def test_float_inputs_are_the_original_models_hidden_states_and_quantized_ones_are_not():
     """The oracle is transformers' own forward of the unquantized model (output_hidden_states)."""
     model = build("llama_gqa")
