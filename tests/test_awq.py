@@ -324,6 +324,7 @@ def test_clip_reduces_output_error_with_outliers():
     assert clipped < 0.95 * no_clip
 
 
+@pytest.mark.slow  # ~8 CPU s
 def test_clip_sees_the_scaled_inputs():
     """The clip search runs on the inputs the folded linears really get (cached inputs / s)."""
     model_a, model_b = build("llama"), build("llama")
@@ -391,6 +392,7 @@ def test_output_clip_objective_lowers_every_row_error_and_is_coordinatewise_opti
             assert errs.min() >= e_out[row] * (1 - 1e-4) - 1e-12, (row, g)
 
 
+@pytest.mark.slow  # ~7 CPU s
 def test_output_clip_objective_is_an_awq_option():
     model = build("llama")
     schemes = schemes_for(model)
@@ -406,6 +408,7 @@ def test_output_clip_objective_is_an_awq_option():
 
 # ------------------------------------------------------------- through the driver
 
+@pytest.mark.slow  # ~13 CPU s
 def test_driver_end_to_end_tiny():
     model = build("llama_gqa")
     ids = calib_ids()
@@ -450,6 +453,7 @@ def test_demo_awq_beats_rtn_by_kl(demo_bench):
 
 # ------------------------------------------------------------- through the public API
 
+@pytest.mark.slow  # ~6 CPU s
 def test_api_writes_awq_gemm_checkpoint_that_loads(tmp_path, tiny_llama_dir):
     """quantkit.quantize(method="awq") writes the AWQ-GEMM layout by default and quantkit.load runs it
     (the layout's bits are checked against an independent unpacker in test_formats)."""
