@@ -102,11 +102,16 @@ def read_recipe_file(path_or_name: Union[str, Path]) -> dict[str, Any]:
             raise QuantkitError(f"recipe {str(path_or_name)!r} not found; give a YAML file path or a bundled name")
         text, source = bundled.read_text(), str(path_or_name)
     else:
-        text, source = path.read_text(), str(path)
+        try:
+            text, source = path.read_text(), str(path)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise QuantkitError(f"cannot read recipe {path} ({first_line(exc)}); give a YAML file") from None
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise QuantkitError(f"recipe {source} is not valid YAML ({first_line(exc)}); fix the file") from None
+    if data is None:
+        raise QuantkitError(f"recipe {source} is empty; give at least its method, e.g. `method: gptq`")
     if not isinstance(data, dict):
         raise QuantkitError(f"recipe {source} must be a mapping with keys {sorted(RECIPE_KEYS)}")
     _refuse_unknown(data, RECIPE_KEYS, f"recipe {source}")
@@ -143,6 +148,9 @@ def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = Non
                  sym=None, ignore=None, format=None, gguf_type=None, calibration: Optional[dict] = None) -> QuantizePlan:
     """Recipe file + explicit arguments (which win) -> a frozen plan. `calibration` holds only the
     calibration arguments the caller gave explicitly (dataset, num_samples, ...)."""
+    for flag, value in (("--recipe", recipe_file), ("--format", format), ("--gguf-type", gguf_type)):
+        if isinstance(value, str) and not value.strip():
+            raise QuantkitError(f"{flag} is empty; give a value or leave the option out")
     rec = read_recipe_file(recipe_file) if recipe_file else {}
     recipe = build_recipe(method if method is not None else rec.get("method", DEFAULT_METHOD),
                           {**(rec.get("options") or {}), **(options or {})})

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError
 
 from quantkit.errors import QuantkitError, first_line
 
@@ -81,10 +83,13 @@ def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, 
             raise QuantkitError(f"{path} has no config.json; point --model at a Hugging Face model folder")
         try:
             cfg = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise QuantkitError(f"{cfg_file} is not valid JSON ({exc.msg}); fix or re-download the model") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise QuantkitError(f"{cfg_file} is not valid JSON ({first_line(exc)}); fix or re-download the model") from None
+        if not isinstance(cfg, dict):
+            raise QuantkitError(f"{cfg_file} holds {type(cfg).__name__}, not a JSON object; fix or re-download the model")
         if cfg.get("quantization_config"):
-            method = cfg["quantization_config"].get("quant_method", "?")
+            qcfg = cfg["quantization_config"]
+            method = qcfg.get("quant_method", "?") if isinstance(qcfg, dict) else "?"
             raise QuantkitError(f"{path} is already quantized ({method}); quantize a full-precision model")
         check_model_folder(p)
         from quantkit.model_files import check_remote_code
@@ -112,16 +117,29 @@ def load_source_model(model: str, dtype: Optional[torch.dtype] = torch.float32, 
 
             hf_model, layer_source = load_streaming_model(p, dtype or torch.float32, trust_remote_code)
         else:
-            hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=trust_remote_code,
-                                                            low_cpu_mem_usage=True, use_safetensors=True)
+            hf_model, info = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype or "auto", trust_remote_code=trust_remote_code, low_cpu_mem_usage=True,
+                use_safetensors=True, output_loading_info=True)
+            _refuse_missing_weights(info.get("missing_keys") or (), path)
     except QuantkitError:
         raise
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise QuantkitError(f"could not load model {path}: {first_line(exc)}") from None
+    except (OSError, ValueError, RuntimeError, SafetensorError, StrictDataclassError, KeyError, TypeError,
+            AttributeError, OverflowError, MemoryError) as exc:
+        # damaged weights (a truncated shard, a header pointing past the end) or a config they disagree with
+        raise QuantkitError(f"could not load model {path}: {first_line(exc)}; check or re-create its files") from None
     hf_model.eval()
     _check_finite(hf_model, path)
     hf_model.config.source_dtype = str(stored_dtype(path, trust_remote_code)).replace("torch.", "")
     return hf_model, tokenizer, _card_name(model, path), layer_source
+
+
+def _refuse_missing_weights(missing, path: str) -> None:
+    """transformers fills a weight the files lack with random values (a shard's index that leaves a
+    tensor out, a config with more layers than the weights): quantizing that would be silently wrong."""
+    if missing:
+        names = sorted(missing)
+        raise QuantkitError(f"{path} lacks {len(names)} weight(s) its config needs (e.g. {names[0]}); the config, "
+                            "index and shards disagree: re-create or re-download the model")
 
 
 def _check_finite(model, path: str) -> None:

@@ -183,6 +183,8 @@ class Recipe:
 
 def parse_method(method: Union[str, Iterable[str]]) -> list[str]:
     """`gptq`, `awq,gptq`, ["smoothquant", "gptq"] -> the step names, lower-cased."""
+    if not isinstance(method, (str, list, tuple)):
+        raise QuantkitError(f"method {method!r} must be a step name such as gptq, or a list of them")
     names = method.split(",") if isinstance(method, str) else list(method)
     names = [str(n).strip().lower() for n in names if str(n).strip()]
     if not names:

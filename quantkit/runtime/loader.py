@@ -360,5 +360,6 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     folder = resolve_checkpoint(path)
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise QuantkitError(f"{folder} has no usable tokenizer ({str(exc).splitlines()[0]})") from None
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:  # damaged tokenizer files
+        raise QuantkitError(f"{folder} has no usable tokenizer ({first_line(exc)}); re-create its tokenizer "
+                            "files") from None
