@@ -70,8 +70,10 @@ def test_e8m0_exponents_match_compressed_tensors():
                       powers, powers * 1.75, powers * 1.7499, powers * 1.5, torch.tensor([0.0, 1e-40])])
     ct = generate_mx_scales(amax, num_bits=4).clamp(0, 255).round()
     assert torch.equal(e8m0.shared_exponent_codes(amax).to(torch.float32), ct)
-    codes = torch.arange(1, 255, dtype=torch.uint8)
-    assert torch.equal(e8m0.decode(codes), 2.0 ** (codes.to(torch.float32) - 127))
+    codes = torch.arange(0, 255, dtype=torch.uint8)
+    assert torch.equal(e8m0.decode(codes), 2.0 ** (codes.to(torch.float64) - 127).to(torch.float32))
+    assert e8m0.decode(torch.tensor([0], dtype=torch.uint8)).item() == 2.0 ** -127
+    assert torch.isnan(e8m0.decode(torch.tensor([255], dtype=torch.uint8))).all()
 
 
 @pytest.mark.parametrize("preset, strategy, block", [("FP8", "tensor", None), ("FP8_DYNAMIC", "channel", None),

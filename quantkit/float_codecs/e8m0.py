@@ -25,5 +25,11 @@ def shared_exponent_codes(amax: torch.Tensor, element_emax: int = E2M1_EMAX) -> 
 
 
 def decode(codes: torch.Tensor) -> torch.Tensor:
-    """The float32 scale 2**(code - 127) of each code."""
-    return torch.exp2(codes.to(torch.float32) - BIAS)
+    """The float32 scale 2**(code - 127) of each code (255, "NaN" in the MX spec, decodes to NaN).
+
+    Built from the float32 bit pattern rather than exp2: CUDA's exp2 is one ulp off for the subnormal 2**-127
+    (code 0), so the bits keep CPU and GPU results identical."""
+    c = codes.to(torch.int32)
+    bits = torch.where(c == 0, torch.full_like(c, 1 << 22), c << 23)  # code 0: the subnormal 2**-127
+    bits = torch.where(c == 255, torch.full_like(c, 0x7FC00000), bits)
+    return bits.view(torch.float32)

@@ -39,6 +39,14 @@ def _expand(scale: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     return scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:n, :k]
 
 
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """absmax / 448, a zero scale replaced by float32's eps.  The divisor is a tensor on amax's device:
+    CUDA divides by a Python number as a multiplication by its reciprocal, one ulp off the true quotient
+    (and off compressed-tensors') for some values."""
+    scale = amax / torch.tensor(e4m3.MAX, dtype=torch.float32, device=amax.device)
+    return _nonzero(scale)
+
+
 def _nonzero(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
 
@@ -51,10 +59,10 @@ def quantize(weight: torch.Tensor, strategy: str, block_size: Optional[tuple[int
         raise QuantkitError(f"FP8 quantization takes a 2-D weight, got shape {tuple(weight.shape)}")
     w = weight.to(torch.float32)
     if strategy == "tensor":
-        scale = _nonzero((w.abs().amax() / e4m3.MAX).reshape(1))
+        scale = _scale_of(w.abs().amax().reshape(1))
         expanded = scale
     elif strategy == "channel":
-        scale = _nonzero(w.abs().amax(dim=1, keepdim=True) / e4m3.MAX)
+        scale = _scale_of(w.abs().amax(dim=1, keepdim=True))
         expanded = scale
     else:
         if block_size is None:
@@ -64,6 +72,6 @@ def quantize(weight: torch.Tensor, strategy: str, block_size: Optional[tuple[int
         nb, kb = math.ceil(n / rows), math.ceil(k / cols)
         padded = torch.nn.functional.pad(w, (0, kb * cols - k, 0, nb * rows - n))
         block_amax = padded.reshape(nb, rows, kb, cols).abs().amax(dim=(1, 3))
-        scale = _nonzero(block_amax / e4m3.MAX)
+        scale = _scale_of(block_amax)
         expanded = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:n, :k]
     return Fp8Weight(e4m3.to_e4m3(w / expanded), scale, strategy, tuple(block_size) if block_size else None)

@@ -51,8 +51,9 @@ def quantize(weight: torch.Tensor) -> Nvfp4Weight:
     n, k = w.shape
     groups = w.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
     gscale = global_scale(w)
-    local = gscale * (groups.abs().amax(dim=-1) / e2m1.MAX)
+    # a tensor divisor on the weight's device: CUDA turns division by a Python number into a reciprocal multiply
+    local = gscale * (groups.abs().amax(dim=-1) / torch.tensor(e2m1.MAX, device=w.device))
     scale = e4m3.to_e4m3(local).to(torch.float32)
-    scale = torch.where(scale == 0, torch.tensor(0.125), scale)
+    scale = torch.where(scale == 0, torch.tensor(0.125, device=w.device), scale)
     codes = e2m1.encode(groups / (scale / gscale).unsqueeze(-1))
     return Nvfp4Weight(codes.reshape(n, k), scale.to(e4m3.DTYPE), gscale)
