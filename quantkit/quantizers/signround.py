@@ -122,8 +122,8 @@ class SignRoundRefiner(Refiner):
         "holdout_per_shard": 1,  # sequences of each of the 8 shards held out to choose the state kept
         "eval_every": 5,  # steps between held-out evaluations (and after the last)
         # "sign": auto-round's signed steps, every offset moving lr per step; "scaled": each step the
-        # gradient divided by its root mean square over the linear, so offsets with the larger gradients
-        # cross a rounding boundary first (from a solved start most single flips cost more than the sign
+        # gradient divided by its root mean square over the linear, clipped to [-1, 1], so offsets with
+        # the larger gradients cross a rounding boundary first (from a solved start most single flips cost more than the sign
         # of the gradient says they save)
         "step_rule": "sign",
         # where each weight sits inside its quantizer's bin at the start: "rtn" (where round-to-nearest
@@ -327,8 +327,10 @@ def _split_like(flat: torch.Tensor, like: list[torch.Tensor]):
 
 
 def _direction(grad: torch.Tensor, scaled: bool) -> torch.Tensor:
-    """The step's direction: the gradient's sign, or the gradient over its root mean square."""
+    """The step's direction: the gradient's sign, or the gradient over its root mean square clipped to
+    [-1, 1] (a real model's gradients are heavy-tailed: unclipped, the largest moved many bins in one
+    step; on the demo's layer 0 that took the held-out error from 0.0099 to 0.81 in two steps)."""
     if not scaled:
         return grad.sign()
     rms = grad.pow(2).mean().sqrt()
-    return grad / rms if float(rms) > 0 else torch.zeros_like(grad)
+    return (grad / rms).clamp_(-1.0, 1.0) if float(rms) > 0 else torch.zeros_like(grad)
