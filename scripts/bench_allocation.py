@@ -92,7 +92,8 @@ def main() -> int:
         print(f"{name:<18} {bpw:>7.4f} {files_bytes(folder):>11} {kl_l:>9.5f}±{e_l or 0:.5f} {kl_w:>9.5f}±{e_w or 0:.5f} "
               f"{means[name]:>8.5f} {predicted:>9.5f} {predicted / means[name]:>9.3f}")
     u, m = means["uniform " + default], means["allocated"]
-    print(f"\nallocated / uniform mean KL: {m / u:.3f} ({100 * (1 - m / u):+.1f} % lower); "
+    change = f"{100 * (1 - m / u):.1f} % lower" if m <= u else f"{100 * (m / u - 1):.1f} % higher"
+    print(f"\nallocated / uniform mean KL: {m / u:.3f} ({change}); "
           f"total {time.perf_counter() - t0:.0f} s (2 shared cores: contended)")
     return 0
 
