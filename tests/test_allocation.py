@@ -317,10 +317,13 @@ def test_target_size_parsing():
         parse_size("2.1 gigs")
 
 
-@pytest.mark.slow
-def test_target_bits_without_a_report_measures_one_first(tmp_path, tiny_llama_dir):
+def test_target_bits_without_a_report_measures_one_first(tmp_path, tiny_llama_dir, monkeypatch):
     import quantkit
+    from quantkit.allocation import run
 
+    measure = run.sensitivity_of_model  # the real one, on fewer evaluation tokens than its defaults
+    monkeypatch.setattr(run, "sensitivity_of_model",
+                        lambda *a, **kw: measure(*a, **{**kw, "eval_windows": 2, "eval_seq_len": 32, "sample": 2}))
     out = tmp_path / "m"
     result = quantkit.quantize(str(tiny_llama_dir), "gptq", group_size=32, num_samples=4, seq_len=32, output=out,
                                target_bits=4.0, progress=False)
