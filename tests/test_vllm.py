@@ -156,6 +156,7 @@ def scored(tmp_path_factory):
     models = [{"name": "unquantized", "path": str(base), "dtype": "bfloat16"},
               {"name": "unquantized-fp32", "path": str(base), "dtype": "float32"}]
     models += [{"name": n, "path": str(folders[n]), "dtype": dtypes[n]} for n in dtypes]
+    tmp = where  # the request and vLLM's scores are kept with the folders too
     request = tmp / "request.json"
     request.write_text(json.dumps({"windows": windows, "top_k": TOP_K, "models": models}))
     env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1))
@@ -177,8 +178,8 @@ def scored(tmp_path_factory):
             del model
     results = {}
     for name, r in vllm.items():
+        # compare's "positions" (a count) replaces vLLM's per-position lists
         results[name] = dict(r, **compare(reference[name], r["positions"])) if r["ok"] else r
-        results[name].pop("positions", None)
     print("\nvLLM tier (vLLM bf16 vs quantkit reference fp32):")
     for name, r in results.items():
         print(f"  {name:24s} " + (f"top1 {r['top1']:.4f}  KL {r['kl']:.5f}  ({r['positions']} positions, "
