@@ -40,7 +40,7 @@ CALIBRATION = dict(num_samples=8, seq_len=128)  # small: the tier checks layouts
 #                                               top-1 0.956-0.973, KL 0.0011-0.0012
 # vLLM's bfloat16 activations are the whole difference there. W8A8 adds vLLM's own int8 rounding of
 # bfloat16 activations (quantkit rounds float32 ones), so a rounding flip in one layer feeds the next:
-#   ct-w8a8 (SmoothQuant), the demo's first 4 layers:  top-1 0.931, KL 0.0051
+#   ct-w8a8 (SmoothQuant): top-1 0.916, KL 0.0119 (the demo's first 4 layers alone: 0.931, 0.0051)
 # What the thresholds can tell apart (measured the same way): vLLM's gptq default against the
 # unquantized model, i.e. the whole 4-bit error, top-1 0.741, KL 0.196; vLLM's awq zero-point folder
 # against quantkit's symmetric one (other 4-bit codes of the same weights), top-1 0.670, KL 0.230.
@@ -232,5 +232,5 @@ def test_layout_in_vllm_matches_support_matrix(scored, name):
     else:
         assert not r["ok"], f"vLLM now serves {name} (top1 {r['top1']:.3f}, KL {r['kl']:.4f}); " \
                             f"the support matrix says it refuses it: {refusal}"
-        for quoted in re.findall(r"'([^']+)'", refusal):  # the matrix quotes vLLM's own words
+        for quoted in re.findall(r'"([^"]+)"', refusal):  # the matrix quotes vLLM's own words
             assert quoted in r["error"], (quoted, r["error"])

@@ -28,10 +28,10 @@ def vllm_refusal(fmt: str, specs: Iterable[LinearSpec]) -> Optional[str]:
         for s in specs:
             if (s.bits, s.sym) not in ((4, True), (8, True)):
                 return (f"vLLM's gptq path takes 4- and 8-bit symmetric weights only, not {s.bits}-bit "
-                        f"{'symmetric' if s.sym else 'asymmetric'} ('Unsupported quantization config')")
+                        f"{'symmetric' if s.sym else 'asymmetric'} (\"Unsupported quantization config\")")
             if s.act_order == "dynamic" and s.group_size != -1:
-                return ("vLLM refuses a gptq g_idx that permutes the groups (desc_act true: 'is no longer "
-                        "supported'); act-order with static groups loads")
+                return ("vLLM refuses a gptq g_idx that permutes the groups (desc_act true: \"is no longer "
+                        "supported\"); act-order with static groups loads")
     if fmt == "awq" and any(s.bits != 4 for s in specs):
         return "vLLM's awq path takes 4-bit weights only"
     if fmt == "compressed-tensors" and any(s.input_quant is None and s.bits not in (4, 8) for s in specs):
@@ -39,7 +39,7 @@ def vllm_refusal(fmt: str, specs: Iterable[LinearSpec]) -> Optional[str]:
     if fmt in ("gptq", "awq", "compressed-tensors"):
         if any(s.input_quant is None and s.bits == 8 for s in specs):
             return ("vLLM's CPU build has no 8-bit weight-only kernel (its kernels refuse quant type "
-                    "'uint8b128'; the CPU WNA16 kernel takes 4-bit only); its GPU kernels (Marlin) take it, "
+                    "\"uint8b128\"; the CPU WNA16 kernel takes 4-bit only); its GPU kernels (Marlin) take it, "
                     "not checked here")
         return None
     return f"vLLM does not serve the {fmt} layout from a folder"
