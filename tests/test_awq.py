@@ -571,7 +571,7 @@ def test_duo_scaling_both_tries_each_alpha_with_and_without_the_weight_term(tiny
         assert len(losses) == 8  # alpha 0, 1/4, 2/4, 3/4 with w_mean, then without
         best = min(range(8), key=lambda i: losses[i])
         assert group["alpha"] == [0.0, 0.25, 0.5, 0.75][best % 4] and group["duo"] is (best < 4)
-    with pytest.raises(QuantkitError, match="duo_scaling must be true, false or both"):
+    with pytest.raises(QuantkitError, match="duo_scaling='yes' of method 'awq' must be true or false or 'both'"):
         AWQTransform(duo_scaling="yes")
 
 

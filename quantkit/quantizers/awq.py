@@ -307,6 +307,7 @@ class AWQTransform(Transform):
     name = "awq"
     default_sym = False
     default_format = "awq"
+    option_words = {"duo_scaling": ("both",)}
     options_spec = {
         # s = x_mean^a / w_mean^(1-a) (AutoAWQ's default) instead of x_mean^a; "both": every alpha with
         # each, 2 x n_grid trials (llm-compressor's duo_scaling="both")
