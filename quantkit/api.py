@@ -596,7 +596,6 @@ def _record_quality(output: Path, source_model: Optional[str], plan, device: Opt
     reads none), and add the figures to its model card. An in-memory source (None) has no folder to
     score as a baseline: perplexity only."""
     from quantkit.card_metadata import eval_model_index
-    from quantkit.card_metadata import eval_model_index
     from quantkit.checkpoint import append_card_metrics
     from quantkit.plan import CALIBRATION_DEFAULTS
 
@@ -736,6 +735,7 @@ def _engine_fn(model):
     from quantkit.engine.llm_engine import engine_logits_fn
 
     return engine_logits_fn(model)
+
 
 def sensitivity(model: str = "demo", method: Union[str, list, None] = "gptq", *, group_size=None, sym=None,
                 format: Optional[str] = None, recipe=None, options: Optional[dict] = None,
