@@ -21,6 +21,19 @@ def _tiny_llama():
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
+def _decompressed_by_compressed_tensors(folder, weights: dict, name: str):
+    """Load `folder` through transformers + compressed-tensors' own decompression and assert every
+    linear in `weights` came back exactly; returns the loaded model."""
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
+    for module_name, w in weights.items():
+        got = loaded.get_submodule(module_name).weight.detach()
+        # compressed-tensors decompresses FP4 layouts in bfloat16; quantkit's values are exact there
+        want = w.to(torch.bfloat16).to(got.dtype) if "FP4" in name else w.to(got.dtype)
+        assert torch.equal(got, want), module_name
+    return loaded
+
+
 @pytest.mark.parametrize("name", WRITABLE)
 def test_compressed_tensors_decompresses_quantkits_weights(tmp_path, name):
     model = _tiny_llama()
@@ -28,13 +41,9 @@ def test_compressed_tensors_decompresses_quantkits_weights(tmp_path, name):
     ours = write(model, preset(name), out)
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["ignore"] == ["lm_head"] and len(ours) == 7
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
-    for module_name, w in ours.items():
+    loaded = _decompressed_by_compressed_tensors(out, ours, name)
+    for module_name in ours:
         got = loaded.get_submodule(module_name).weight.detach()
-        # compressed-tensors decompresses FP4 layouts in bfloat16; quantkit's values are exact there
-        want = w.to(torch.bfloat16).to(got.dtype) if "FP4" in name else w.to(got.dtype)
-        assert torch.equal(got, want), module_name
         original = model.get_submodule(module_name).weight.detach()
         assert not torch.equal(got, original)  # really quantized
         rel = (got.float() - original).norm() / original.norm()
@@ -110,12 +119,7 @@ def test_quantkit_reads_a_checkpoint_compressed_tensors_wrote(tmp_path, name):
     # quantkit's own RTN of the same model gives the same weights compressed-tensors wrote
     written = write(_tiny_llama(), preset(name), tmp_path / f"qk-{name}")
     assert all(torch.equal(written[m], ours[m]) for m in ours)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
-    for module_name, w in ours.items():
-        got = loaded.get_submodule(module_name).weight.detach()
-        want = w.to(torch.bfloat16).to(got.dtype) if "FP4" in name else w.to(got.dtype)
-        assert torch.equal(got, want), module_name
+    _decompressed_by_compressed_tensors(out, ours, name)
 
 
 def test_reader_refuses_what_it_cannot_read(tmp_path):
