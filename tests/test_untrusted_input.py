@@ -367,13 +367,19 @@ def test_engine_refuses_requests_past_the_context():
     assert len(out["token_ids"]) == 8
 
 
+def short_context_copy(tmp_path: Path, src: Path, context: int) -> Path:
+    """A copy of `src` whose config allows only `context` positions."""
+    folder = tmp_path / "short"
+    shutil.copytree(src, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["max_position_embeddings"] = context
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
 @pytest.mark.slow  # command-line runs in subprocesses (~15-40 s)
 def test_generate_cli_refuses_past_the_context(tmp_path, tiny_llama_dir):
-    folder = tmp_path / "short"
-    shutil.copytree(tiny_llama_dir, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["max_position_embeddings"] = 16
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = short_context_copy(tmp_path, tiny_llama_dir, 16)
     proc = run_cli("generate", "--model", folder, "--prompt", "one two three four five six seven eight nine ten",
                    "--max-new-tokens", "16")
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -384,11 +390,7 @@ def test_generate_cli_refuses_past_the_context(tmp_path, tiny_llama_dir):
 def test_eval_refuses_seq_len_past_the_context(tmp_path, tiny_llama_dir):
     from quantkit.api import evaluate
 
-    folder = tmp_path / "short"
-    shutil.copytree(tiny_llama_dir, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["max_position_embeddings"] = 64
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = short_context_copy(tmp_path, tiny_llama_dir, 64)
     with pytest.raises(QuantkitError, match=r"--seq-len 128 exceeds the context of .* \(64 tokens.*--seq-len 64"):
         evaluate(str(folder), seq_len=128, max_windows=1)
     with pytest.raises(QuantkitError, match="64 tokens"):  # the baseline's context counts too
@@ -399,11 +401,7 @@ def test_eval_refuses_seq_len_past_the_context(tmp_path, tiny_llama_dir):
 def test_quantize_eval_scores_within_the_context(tmp_path, tiny_llama_dir):
     from quantkit.api import _eval_seq_len
 
-    folder = tmp_path / "short"
-    shutil.copytree(tiny_llama_dir, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["max_position_embeddings"] = 64
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = short_context_copy(tmp_path, tiny_llama_dir, 64)
     with pytest.warns(UserWarning, match="windows of 64 tokens"):
         assert _eval_seq_len(folder) == 64
     assert _eval_seq_len(tiny_llama_dir) == 512
