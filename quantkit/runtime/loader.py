@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError, first_line
+from quantkit.finite import require_finite
 from quantkit.model_files import check_folder_links, check_remote_code, model_file, safetensors_shards, single_safetensors
 
 QUANT_METHOD_TO_FORMAT = {"gptq": "gptq", "compressed-tensors": "compressed-tensors", "awq": "awq"}
@@ -304,8 +305,7 @@ def _assign_state(model: nn.Module, state: dict[str, torch.Tensor], folder: Path
         if want.is_floating_point() != tensor.is_floating_point() or tensor.is_complex():
             raise QuantkitError(f"{src}: tensor {key} has dtype {str(tensor.dtype).replace('torch.', '')}, "
                                 f"expected {str(want.dtype).replace('torch.', '')}")
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise QuantkitError(f"{src}: tensor {key} contains NaN/inf values; the checkpoint is corrupt")
+        require_finite(key, tensor, str(src))
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
@@ -344,8 +344,7 @@ def _load_plain(folder: Path, files: list[Path], dtype, device, trust_remote_cod
             raise QuantkitError(f"{folder} {what} {keys[0]} (and {len(keys) - 1} more); the config and the weights "
                                 "disagree")
     for name, t in model.state_dict().items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise QuantkitError(f"{folder}: tensor {name} contains NaN/inf values; the checkpoint is corrupt")
+        require_finite(name, t, str(folder))
     return model.to(device).eval()
 
 
