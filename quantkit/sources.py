@@ -14,6 +14,7 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 
 from quantkit.errors import QuantkitError, first_line
+from quantkit.finite import require_finite
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -145,8 +146,6 @@ def _refuse_missing_weights(missing, path: str) -> None:
 def _check_finite(model, path: str) -> None:
     """Every loaded tensor finite (streamed layers are checked as they are read, quantkit.streaming):
     a NaN in a norm or embedding would otherwise be written into the output unnoticed."""
-    from quantkit.finite import require_finite
-
     for name, tensor in model.state_dict().items():
         require_finite(name, tensor, path)
 
@@ -289,8 +288,7 @@ def _load_llama_gguf(path: Path):
         f.close()
     state = {k: (v.dequantize() if isinstance(v, QuantizedWeight) else v.float()) for k, v in tensors.items()}
     for name, value in state.items():
-        if not bool(torch.isfinite(value).all()):
-            raise QuantkitError(f"GGUF file {path}: tensor {name} decodes to NaN/inf values; the file is corrupt")
+        require_finite(name, value, f"GGUF file {path}")
     expected = model.state_dict()
     for name, value in state.items():
         if name not in expected or tuple(expected[name].shape) != tuple(value.shape):
