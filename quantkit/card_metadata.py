@@ -141,12 +141,18 @@ OFFLINE_CORPORA = {  # the bundled corpora by the names of the files gensim's wh
 }
 
 
-def front_matter(source: str, tags: list[str], calibration: Optional[str]) -> dict[str, Any]:
-    """The card's metadata at write time (model-index is added by `with_model_index` after --eval)."""
+def front_matter(source: str, tags: list[str], calibration: Optional[str], library: str = "transformers",
+                 repacked: bool = False) -> dict[str, Any]:
+    """The card's metadata at write time (model-index is added by `with_model_index` after --eval).
+
+    `library` is the Hub library that loads the files ("gguf" for a GGUF file: the Hub lists those under
+    library=gguf). `repacked`: the source is itself a quantized checkpoint re-packed without changing a
+    weight (`quantkit convert`), so its own card's `base_model` is still the model these weights came from."""
     facts = source_facts(source)
     data: dict[str, Any] = {}
-    if facts.hub_id:
-        data.update(base_model=facts.hub_id, base_model_relation="quantized")
+    base = facts.hub_id or (repacked_base(source) if repacked else None)
+    if base:
+        data.update(base_model=base, base_model_relation="quantized")
     if facts.license:
         data["license"] = facts.license
         data.update({k: v for k, v in (("license_name", facts.license_name), ("license_link", facts.license_link)) if v})
@@ -155,8 +161,19 @@ def front_matter(source: str, tags: list[str], calibration: Optional[str]) -> di
     datasets = calibration_datasets(calibration)
     if datasets:
         data["datasets"] = datasets
-    data.update(library_name="transformers", pipeline_tag="text-generation", tags=list(dict.fromkeys(tags)))
+    data.update(library_name=library, pipeline_tag="text-generation", tags=list(dict.fromkeys(tags)))
     return data
+
+
+def repacked_base(folder: str) -> Optional[str]:
+    """The hub id a quantized checkpoint folder's own card names as its `base_model` (quantkit writes it only
+    for a hub source), or None. Only for a re-pack: a model *trained* from a base is not a quantization of it."""
+    try:
+        data, _ = read_front_matter((Path(folder) / "README.md").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError):
+        return None
+    base = data.get("base_model")
+    return base if isinstance(base, str) and _HUB_ID.match(base) and data.get("base_model_relation") == "quantized" else None
 
 
 def render_front_matter(data: dict[str, Any]) -> str:

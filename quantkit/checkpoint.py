@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from quantkit import __version__
-from quantkit.card_metadata import front_matter, is_hub_id, render_front_matter, with_model_index
+from quantkit.card_metadata import front_matter, is_hub_id, render_front_matter, repacked_base, with_model_index
 from quantkit.errors import QuantkitError
 from quantkit.formats import get_format
 from quantkit.formats.spec import LinearSpec
@@ -321,20 +321,32 @@ def _activations_line(specs: dict[str, LinearSpec]) -> str:
     return ", ".join(found) + " (W8A8)" if found else "full precision (weight-only)"
 
 
+def _provenance_line(source: str, base_model: str, repacked: bool) -> str:
+    if not repacked:
+        return f"Quantized from {source} with quantkit {__version__}."
+    base = repacked_base(base_model)
+    of = f", a quantized checkpoint of [{base}](https://huggingface.co/{base})" if base else ""
+    return f"Re-packed by `quantkit convert` (every weight unchanged) from {source}{of}, with quantkit {__version__}."
+
+
 def model_card(base_model: str, format_name: str, method: dict[str, Any], qcfg: dict, specs: dict[str, LinearSpec]) -> str:
-    """The checkpoint's README; measured quality is appended later by `append_card_metrics`."""
+    """The checkpoint's README; measured quality is appended later by `append_card_metrics`.
+    `method["method"] == "convert"`: `base_model` is the quantized folder that was re-packed."""
     from quantkit.formats.loaders import loaders_checked
 
     bits = sorted({s.bits for s in specs.values()})
     groups = sorted({s.group_size for s in specs.values()})
     tags = ["quantkit", method.get("method", "quantized"), format_name] + [f"{b}-bit" for b in bits]
-    front = [render_front_matter(front_matter(base_model, tags, method.get("calibration"))).rstrip("\n")]
+    repacked = method.get("method") == "convert"
+    library = "gguf" if format_name == "gguf" else "transformers"
+    front = [render_front_matter(front_matter(base_model, tags, method.get("calibration"), library=library,
+                                              repacked=repacked)).rstrip("\n")]
     source = f"[{base_model}](https://huggingface.co/{base_model})" if is_hub_id(base_model) else f"`{base_model}`"
     lines = [
         "",
         f"# {Path(base_model).name} — {method.get('method', '?').upper()} {'/'.join(map(str, bits))}-bit",
         "",
-        f"Quantized from {source} with quantkit {__version__}.",
+        _provenance_line(source, base_model, repacked),
         "",
         "## Quantization",
         "",

@@ -106,3 +106,36 @@ def test_datasets_names_the_calibration_data(tmp_path, monkeypatch, dataset, lis
     (tmp_path / "src").mkdir()
     data = ModelCard(render_front_matter(front_matter("src", ["quantkit"], dataset))).data.to_dict()
     assert data.get("datasets") == listed
+
+
+def test_convert_keeps_the_base_model_its_source_card_names(tiny_llama_dir, tmp_path):
+    """A re-pack changes no weight, so it is still a quantization of the model the source card names."""
+    src = tmp_path / "gptq"
+    quantkit.quantize(str(tiny_llama_dir), "rtn", bits=4, group_size=32, output=src, progress=False)
+    card = (src / "README.md").read_text()
+    assert card.startswith("---\n")
+    (src / "README.md").write_text("---\nbase_model: org/model\nbase_model_relation: quantized\n" + card[4:])
+    from quantkit.convert import convert
+
+    convert(src, "compressed-tensors", tmp_path / "ct")
+    converted = ModelCard.load(tmp_path / "ct" / "README.md")
+    data = converted.data.to_dict()
+    assert data["base_model"] == "org/model" and data["base_model_relation"] == "quantized"
+    assert "Re-packed by `quantkit convert`" in converted.text and "https://huggingface.co/org/model" in converted.text
+
+
+def test_convert_of_a_local_source_checkpoint_names_no_base_model(tiny_llama_dir, tmp_path):
+    src = tmp_path / "gptq"
+    quantkit.quantize(str(tiny_llama_dir), "rtn", bits=4, group_size=32, output=src, progress=False)
+    from quantkit.convert import convert
+
+    convert(src, "compressed-tensors", tmp_path / "ct")
+    data = ModelCard.load(tmp_path / "ct" / "README.md").data.to_dict()
+    assert "base_model" not in data and data["library_name"] == "transformers"
+
+
+def test_gguf_output_card_names_the_gguf_library(tiny_llama_dir, tmp_path):
+    out = tmp_path / "gguf"
+    quantkit.quantize(str(tiny_llama_dir), "rtn", bits=4, group_size=32, format="gguf", output=out, progress=False)
+    data = ModelCard.load(out / "README.md").data.to_dict()
+    assert data["library_name"] == "gguf" and "gguf" in data["tags"]
