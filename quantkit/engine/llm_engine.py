@@ -73,22 +73,28 @@ class LLMEngine:
                  num_kv_blocks: Optional[int] = None, kv_cache_fraction: Optional[float] = None,
                  attention_backend: str = "auto", fuse_projections: Optional[bool] = None, draft=None,
                  num_speculative_tokens: int = 4, draft_tokenizer=None, lm_head_quant: Optional[str] = None,
-                 draft_lm_head_quant: Optional[str] = None, draft_confidence: float = 0.0):
+                 draft_lm_head_quant: Optional[str] = None, draft_confidence: float = 0.0,
+                 cuda_graph: Optional[bool] = None, graph_buckets: Optional[Seq[int]] = None):
         """``draft``: speculative decoding (``engine.speculative``) with a draft model (same
         tokenizer: pass ``draft_tokenizer`` to have it checked), ``"ngram"`` (prompt lookup) or a
         proposer object, verifying up to ``num_speculative_tokens`` draft tokens per step; a draft
         model stops early for a sequence once it gives its latest token a probability below
         ``draft_confidence`` (0: always ``num_speculative_tokens``; engine.proposers).
         ``lm_head_quant`` / ``draft_lm_head_quant`` ("int8", "int4", "shortlist"): decode through a quantized
-        copy of the target's / draft's LM head only (engine.quantized_head; changes the logits)."""
+        copy of the target's / draft's LM head only (engine.quantized_head; changes the logits).
+        ``cuda_graph``: decode steps from static buffers, replayed from one CUDA graph per batch-size
+        bucket (engine.static_step; None: on for CUDA, off on CPU, where True runs the same static
+        step eagerly); ``graph_buckets``: those batch sizes (default 1, 2, 4, 8, 16, 32, ... up to
+        ``max_num_seqs``); a larger batch, and every prefill, runs eagerly."""
         if block_size < 1:
             raise QuantkitError(f"block_size must be at least 1, got {block_size}")
         self.model = model
         self.tokenizer = tokenizer
-        runner_kw = dict(attention_backend=attention_backend, fuse_projections=fuse_projections)
+        runner_kw = dict(attention_backend=attention_backend, fuse_projections=fuse_projections, cuda_graph=cuda_graph)
         self.runner = ModelRunner(model, block_size=block_size, kv_cache_dtype=kv_cache_dtype, num_blocks=num_kv_blocks,
                                   kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction,
-                                  max_num_seqs=max_num_seqs, lm_head_quant=lm_head_quant, **runner_kw)
+                                  max_num_seqs=max_num_seqs, lm_head_quant=lm_head_quant,
+                                  graph_buckets=tuple(graph_buckets) if graph_buckets else None, **runner_kw)
         self.speculative: Optional[SpeculativeDecoder] = None
         if draft is not None:
             proposer = make_proposer(draft, self.runner, num_speculative_tokens, max_num_seqs, tokenizer,

@@ -92,7 +92,11 @@ class ModelRunner:
                  num_blocks: Optional[int] = None, kv_cache_memory: Union[int, str, None] = None,
                  kv_cache_fraction: Optional[float] = None, max_num_seqs: int = 64,
                  attention_backend: str = "auto", fuse_projections: Optional[bool] = None,
-                 lm_head_quant: Optional[str] = None):
+                 lm_head_quant: Optional[str] = None, cuda_graph: Optional[bool] = None,
+                 graph_buckets: Optional[tuple[int, ...]] = None):
+        """``cuda_graph``: decode through the static step (engine.static_step), replayed from a CUDA
+        graph per batch-size bucket on CUDA (None: on for CUDA, off on CPU, where True runs the same
+        static-buffer step eagerly); ``graph_buckets``: its batch sizes (default from ``max_num_seqs``)."""
         self.model = model
         cfg = model.config
         self.config = cfg
@@ -123,8 +127,10 @@ class ModelRunner:
         if num_blocks is None:
             num_blocks = self._pool_blocks(kv_cache_memory, kv_cache_fraction, max_num_seqs)
         self.num_blocks = int(num_blocks)
-        self.kv_cache = KVCache(self.num_layers, self.num_blocks, block_size, self.num_kv_heads, self.head_dim,
-                                self.dtype, kv_cache_dtype, self.device)
+        static = (self.device.type == "cuda") if cuda_graph is None else bool(cuda_graph)
+        # the static step's padding rows write to one scratch block past the block manager's range
+        self.kv_cache = KVCache(self.num_layers, self.num_blocks + int(static), block_size, self.num_kv_heads,
+                                self.head_dim, self.dtype, kv_cache_dtype, self.device)
 
         from quantkit.engine import c_decode_step
 
@@ -151,6 +157,14 @@ class ModelRunner:
             self.use_triton = self.device.type == "cuda" and triton_decode_available(self.device)
         else:
             self.use_triton = attention_backend == "triton"
+
+        from quantkit.engine.static_step import StaticDecodeStep, batch_buckets, static_step_problem
+
+        self.static_step: Optional[StaticDecodeStep] = None
+        self.static_step_problem = static_step_problem(self) if static else "off (cuda_graph=False)"
+        if static and self.static_step_problem is None:
+            self.static_step = StaticDecodeStep(self, graph_buckets or batch_buckets(max_num_seqs),
+                                                scratch_block=self.num_blocks, use_graphs=self.device.type == "cuda")
 
     def _pool_blocks(self, kv_cache_memory, kv_cache_fraction: Optional[float], max_num_seqs: int) -> int:
         """KV blocks for a memory budget: the given one, else a fraction of free memory (capped on
@@ -364,6 +378,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """Logits [len(seqs), vocab] for each sequence's next token (fp32)."""
+        if not is_prefill and self.static_step is not None:
+            logits = self.static_step.run(seqs)  # None above the largest bucket: the eager step below
+            if logits is not None:
+                return logits
         if not is_prefill and self.c_step is not None and len(seqs) <= DECODE_ROWS:
             rows = [(seq.block_table, len(seq) - 1, seq.last_token, True) for seq in seqs]
             return self.head(self._c_forward(*self._c_step_rows(rows))).float()

@@ -1,0 +1,106 @@
+"""engine.static_step: the decode step from static buffers per batch-size bucket (replayed from a
+CUDA graph on GPU; the GPU half is in tests/test_gpu.py). On CPU the same buffers, padding and
+bucket choice run eagerly; the oracle is the eager engine (cuda_graph=False) on the same model:
+identical greedy tokens, logits within fp32 rounding, and the same K/V in every block a sequence
+used (padding rows write only to the scratch block)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantkit.engine import LLMEngine
+from quantkit.engine.sampler import Sampler
+from quantkit.engine.static_step import batch_buckets, block_table_width, pick_bucket
+from quantkit.errors import QuantkitError
+from tiny_models import assert_pool_full, greedy, tiny_model
+from tiny_models import prompts as _prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class RecordingSampler(Sampler):
+    """Greedy sampling that keeps every decode step's logits (prefill steps included, in order)."""
+
+    def __init__(self):
+        self.logits = []
+
+    def __call__(self, logits, seqs):
+        self.logits.append(logits.float().clone())
+        return super().__call__(logits, seqs)
+
+
+def test_buckets_and_bucket_choice():
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 48, 64)
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(6) == (1, 2, 4, 6)
+    assert batch_buckets(40) == (1, 2, 4, 8, 16, 32, 40)
+    assert batch_buckets(10_000)[-1] == 512
+    buckets = (1, 2, 4, 8)
+    assert [pick_bucket(buckets, n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, None]
+    assert block_table_width(512, 4, 1000) == 128  # the longest sequence's blocks
+    assert block_table_width(512, 4, 20) == 20  # never more than the pool
+    assert block_table_width(None, 4, 20) == 20
+    assert block_table_width(10, 4, 20) == 3
+
+
+def _quantize_int4(model):
+    from quantkit.quantizers.grid import rtn_quantize
+    from quantkit.runtime.quant_linear import QuantLinear
+
+    for layer in model.model.layers:
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for n in names:
+                lin = getattr(parent, n)
+                qw = rtn_quantize(lin.weight.data, 4, 32, True, lin.bias)
+                setattr(parent, n, QuantLinear.from_quantized(qw, "gptq", dtype=torch.float32, backend="auto"))
+    return model
+
+
+def _run(model, prompts, max_tokens, cuda_graph, kv="auto"):
+    eng = LLMEngine(model, block_size=4, num_kv_blocks=64, max_num_seqs=8, cuda_graph=cuda_graph,
+                    graph_buckets=(1, 2, 4), kv_cache_dtype=kv)
+    eng.sampler = RecordingSampler()
+    outs = eng.generate(prompts, [greedy(n, ignore_eos=True) for n in max_tokens])
+    return eng, [o["token_ids"] for o in outs]
+
+
+@pytest.mark.parametrize("weights,kv", [("fp32", "auto"), ("int4", "auto"), ("fp32", "int8")])
+def test_static_step_gives_the_eager_engines_tokens(weights, kv):
+    """Batches of 6 (above the largest bucket: eager), then 5 ... 1 as requests finish at different
+    lengths: 4 and 3 padded to the bucket 4, 2 and 1 exact. Tokens equal the eager engine's, every
+    step's logits agree within fp32 rounding (the static step's attention is the reference over the
+    block tables, the eager CPU step a gather over slots), and the K/V in the pool's blocks is the same."""
+    model = tiny_model("llama")
+    if weights == "int4":
+        model = _quantize_int4(model)
+    prompts = _prompts(6, [5, 9, 3, 12, 7, 4], seed=3)
+    max_tokens = [3, 5, 7, 9, 11, 14]
+    eager, want = _run(model, prompts, max_tokens, False, kv)
+    static, got = _run(model, prompts, max_tokens, True, kv)
+    assert eager.runner.static_step is None and static.runner.static_step is not None
+    assert got == want
+    assert len(static.sampler.logits) == len(eager.sampler.logits)
+    for a, b in zip(static.sampler.logits, eager.sampler.logits):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    step = static.runner.static_step
+    # 6 rows: eager (above the bucket 4); 5 rows: eager; 4, 3: bucket 4; 2: bucket 2; 1: bucket 1
+    assert step.eager_fallbacks == 2 + 2 and step.steps_by_bucket == {1: 3, 2: 2, 4: 4}
+    n = eager.runner.num_blocks
+    assert static.kv_cache.k.shape[1] == n + 1 and step.scratch_block == n  # one scratch block past the manager's
+    torch.testing.assert_close(static.kv_cache.k[:, :n], eager.kv_cache.k[:, :n], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(static.kv_cache.v[:, :n], eager.kv_cache.v[:, :n], atol=1e-5, rtol=1e-5)
+    assert_pool_full(static)
+    assert_pool_full(eager)
+
+
+def test_static_step_is_off_by_default_on_cpu_and_checks_its_buckets():
+    model = tiny_model("llama")
+    eng = LLMEngine(model, block_size=4, num_kv_blocks=16)
+    assert eng.runner.static_step is None and eng.kv_cache.k.shape[1] == 16
+    with pytest.raises(QuantkitError, match="graph_buckets"):
+        LLMEngine(model, block_size=4, num_kv_blocks=16, cuda_graph=True, graph_buckets=(0, 2))
+    eng = LLMEngine(model, block_size=4, num_kv_blocks=16, cuda_graph=True, max_num_seqs=6)
+    assert eng.runner.static_step.buckets == (1, 2, 4, 6)
+    assert eng.runner.static_step.buffers.logits.shape == (6, 256)
+    assert eng.runner.static_step.buffers.block_tables.shape == (6, 16)  # 512 positions / 4 > 16 blocks
