@@ -33,6 +33,7 @@ class QuantizeResult(Mapping):
     plan: Any  # quantkit.plan.QuantizePlan
     metrics: Optional[dict[str, Any]]
     summary: dict[str, Any]
+    resolved: Any = None  # quantkit.run_recipe.ResolvedRun: what the checkpoint's recipe.yaml records
 
     def __getitem__(self, key: str) -> Any:
         return self.summary[key]
@@ -45,10 +46,11 @@ class QuantizeResult(Mapping):
 
 
 def quantize(
-    model: Union[str, Path, nn.Module] = "demo",
+    model: Union[str, Path, nn.Module, None] = None,
     method: Union[str, list, Step, None] = None,
     *,
     tokenizer: Any = None,
+    scheme: Optional[str] = None,
     bits: Optional[int] = None,
     group_size: Union[int, str, None] = None,
     sym: Optional[bool] = None,
@@ -65,7 +67,7 @@ def quantize(
     dtype: Optional[str] = None,
     device: Optional[str] = None,
     trust_remote_code: bool = False,
-    max_shard_size: str = "5GB",
+    max_shard_size: Union[str, int, None] = None,
     chat_template: bool = False,
     batch_size: Optional[int] = None,
     eval_after: bool = False,
@@ -84,6 +86,14 @@ def quantize(
     sensitivity: Union[str, Path, None] = None,
 ) -> Optional[QuantizeResult]:
     """Quantize `model` with `method` and write a packed checkpoint; returns a `QuantizeResult`.
+
+    The keywords are quantkit.run_config.SETTINGS (the CLI's `quantize` options, same names and
+    defaults; `quantize --help` groups them). Every checkpoint gets a `recipe.yaml`, the plan as
+    resolved on the model: `quantize(recipe="<ckpt>/recipe.yaml", output=...)` writes the same bytes
+    (its source model, dtype and shard size are used where not given; calibration on in-memory
+    data needs the same tokens passed again as `dataset`, other tokens are refused).
+    `scheme` names a compressed-tensors preset (W4A16, W8A16, W8A8, FP8_DYNAMIC, FP8_BLOCK,
+    NVFP4A16, MXFP4A16, MXFP4; case-insensitive) instead of bits/group_size/sym.
 
     `model` is a folder, a .gguf file, a hub id, "demo", or an in-memory transformers model, which
     is left untouched: quantkit calibrates a CPU copy (one more copy of the weights in memory; pass
@@ -121,20 +131,19 @@ def quantize(
     counted) or `target_size` (of the written files, e.g. "2.1GB") picks a scheme per linear by least
     predicted KL under that budget, from the `sensitivity` report (a `quantkit sensitivity` folder or
     JSON; measured first when not given); see docs/allocation.md."""
-    args = dict(locals())
+    args = _settled_args(dict(locals()))
     from quantkit.disk_errors import writing_output
     from quantkit.models import get_adapter
     from quantkit.sources import in_memory_identity, parse_dtype, source_dtype
     from quantkit.streaming import bounded_heap
 
     t0 = time.perf_counter()
-    max_shard_size = _checked_before_work(device, max_shard_size, dist_timeout, target_bits, target_size)
+    model, dtype = args["model"], args["dtype"]
+    shard_bytes = _checked_before_work(device, args["max_shard_size"], dist_timeout, target_bits, target_size)
     in_memory = isinstance(model, nn.Module)
     if in_memory and (nproc not in (None, 1) or _launched()):
         raise QuantkitError("data-parallel ranks each load the model themselves; pass its folder instead of the "
                             "in-memory model, or drop nproc")
-    if isinstance(model, Path):
-        model = args["model"] = str(model)
     source_ref = _in_memory_folder(model) if in_memory else model  # the folder the output must not replace
     comm = _join_run(args)
     if comm is _SPAWNED:
@@ -151,6 +160,8 @@ def quantize(
                             "device; drop one of them")
     hf_model, tokenizer, base_name, layer_source = _source_model(model, tokenizer, trust_remote_code, streaming,
                                                                  device_map, max_memory)
+    if plan.float_preset is not None:
+        return _quantize_float(args, plan, hf_model, tokenizer, base_name, layer_source, comm, source_ref, t0)
     save_dtype = parse_dtype(dtype) or source_dtype(hf_model.config)
     adapter = get_adapter(hf_model)
     experts = _expert_policy(plan, adapter, hf_model, layer_source, comm)
@@ -159,12 +170,16 @@ def quantize(
     if allocated is not None:
         plan, report, allocation = allocated
         schemes = _linear_schemes(plan, hf_model, adapter)
+    if plan.replay is not None:
+        plan.replay.check_linears(schemes, model)
     serving = vllm_moe_serving(plan, adapter, hf_model, schemes) if experts is not None else None
     if output is None:
         output = _default_output(base_name, plan, schemes)
         _on_rank0(comm, lambda: _check_output(output, overwrite, resume, source_ref))
     output = Path(output)
     plan, input_ids, cal_batch = _calibration_set(plan, hf_model, tokenizer, comm)
+    resolved = _resolved_run(args, plan, schemes, cal_batch, experts, save_dtype,
+                             allocation if allocated is not None else None)
     with writing_output(output, lambda: rough_checkpoint_bytes(hf_model, schemes, save_dtype), resume_hint=True):
         store = _progress_store(output, in_memory_identity(hf_model) if in_memory else model, plan, save_dtype,
                                 cal_batch, input_ids, resume, comm)
@@ -174,7 +189,7 @@ def quantize(
             job["serving"] = serving
         with bounded_heap() if layer_source is not None else contextlib.nullcontext():  # scoped to this run
             moe = _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job, output, tokenizer,
-                                       base_name, save_dtype, max_shard_size, overwrite)
+                                       base_name, save_dtype, shard_bytes, overwrite, resolved.to_yaml())
     if comm is not None:
         from quantkit.pipeline.distributed import leave_group
 
@@ -193,7 +208,73 @@ def quantize(
 
         record_allocation(output, report, allocation)
         summary["allocation"] = {k: v for k, v in allocation.items() if k != "choice"}
-    return QuantizeResult(output=output, plan=plan, metrics=metrics, summary=summary)
+    return QuantizeResult(output=output, plan=plan, metrics=metrics, summary=summary, resolved=resolved)
+
+
+def _settled_args(args: dict) -> dict:
+    """The call's keywords checked against their settings (quantkit.run_config), a Path model as a string,
+    and the source model, dtype and shard size a recipe.yaml recorded where the caller gave none."""
+    from quantkit.plan import recipe_run_defaults
+    from quantkit.run_config import check_values
+
+    check_values(args)
+    recorded = recipe_run_defaults(args["recipe"])
+    for key, default in (("model", "demo"), ("dtype", None), ("max_shard_size", "5GB")):
+        if args[key] is None:
+            args[key] = recorded.get(key, default)
+    if isinstance(args["model"], Path):
+        args["model"] = str(args["model"])
+    return args
+
+
+def _resolved_run(args: dict, plan, schemes: dict, cal_batch, experts, save_dtype, allocation):
+    """The run as resolved on its model (quantkit.run_recipe): what recipe.yaml records."""
+    from types import MappingProxyType
+
+    from quantkit.run_recipe import ResolvedRun
+
+    model = args["model"]
+    return ResolvedRun(plan=plan, linears=MappingProxyType(dict(schemes)), batch_size=cal_batch, expert_policy=experts,
+                       dtype=str(save_dtype).replace("torch.", ""), max_shard_size=str(args["max_shard_size"]),
+                       source_model=None if isinstance(model, nn.Module) else str(model),
+                       allocation={k: v for k, v in allocation.items() if k != "choice"} if allocation else None)
+
+
+def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer_source, comm, source_ref, t0):
+    """A float preset (--scheme NVFP4A16, FP8_DYNAMIC, ...): round-to-nearest onto its grid, written as a
+    compressed-tensors folder by quantkit.float_checkpoint, with the tokenizer and recipe.yaml, staged
+    and renamed into place."""
+    from quantkit import float_checkpoint
+    from quantkit.checkpoint import replace_dir, staging_dir
+    from quantkit.run_recipe import RECIPE_FILE
+
+    p = plan.float_preset
+    if layer_source is not None or comm is not None or args["target_bits"] is not None or args["target_size"]:
+        raise QuantkitError(f"--scheme {p.name} is written from a model held in one process; drop --streaming, "
+                            "--device-map, --nproc and --target-bits/--target-size")
+    if args["eval_after"]:
+        raise QuantkitError(f"--eval cannot score --scheme {p.name} yet (quantkit's loader does not run float "
+                            "checkpoints); drop --eval and score it with vLLM or transformers")
+    output = Path(args["output"]) if args["output"] is not None else \
+        Path(f"{Path(base_name).name.lower()}-rtn-{p.name.lower()}")
+    _check_output(output, args["overwrite"], False, source_ref)
+    stage = staging_dir(output)
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    try:
+        folder = stage / "checkpoint"
+        float_checkpoint.write(hf_model, p, folder, ignore=plan.scheme.ignore)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        resolved = _resolved_run(args, plan, {}, None, None, hf_model.dtype, None)
+        (folder / RECIPE_FILE).write_text(resolved.to_yaml())
+        replace_dir(folder, output)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    summary = {"output": str(output), "method": "rtn", "scheme": p.name, "format": "compressed-tensors",
+               "layout": float_checkpoint.layout_of(p), "seconds": round(time.perf_counter() - t0, 3),
+               "peak_rss_mb": _rss_mb()}
+    return QuantizeResult(output=output, plan=plan, metrics=None, summary=summary, resolved=resolved)
 
 
 def _allocation(args: dict, plan, schemes: dict, layer_source, comm, hf_model, save_dtype):
@@ -223,7 +304,7 @@ def _plan_of(args: dict):
     return resolve_plan(a["method"], recipe_file=a["recipe"], options=a["options"], bits=a["bits"],
                         group_size=a["group_size"], sym=a["sym"], ignore=a["ignore"], format=a["format"],
                         gguf_type=a["gguf_type"],
-                        calibration={k: a[k] for k in ("dataset", "num_samples", "seq_len", "seed", "chat_template",
+                        scheme=a["scheme"], calibration={k: a[k] for k in ("dataset", "num_samples", "seq_len", "seed", "chat_template",
                                                        "batch_size", "moe_calibration", "moe_min_tokens")})
 
 
@@ -488,6 +569,8 @@ def _calibration_set(plan, hf_model, tokenizer, comm=None):
         tokens = CalibrationTokens(ids, source)
     check_vocabulary(tokens.input_ids, hf_model.get_input_embeddings().num_embeddings)
     c = c.with_tokens(tokens)
+    if plan.replay is not None:
+        plan.replay.check_tokens(c.tokens_sha256)
     _check_share(replace(plan, calibration=c), comm)
     batch = c.batch_size or calibration_batch_size(hf_model.config, plan.recipe, c.num_samples, c.seq_len)
     return replace(plan, calibration=c), tokens.input_ids, batch
@@ -515,8 +598,12 @@ def _progress_store(output: Path, model: str, plan, save_dtype, batch_size, inpu
 
 
 def _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job: dict, output: Path, tokenizer,
-                         base_name: str, save_dtype, max_shard_size: str, overwrite: bool) -> Optional[dict]:
-    """Calibrate, then write the checkpoint; returns a MoE model's calibration report (None if dense)."""
+                         base_name: str, save_dtype, max_shard_size: int, overwrite: bool,
+                         recipe_yaml: str) -> Optional[dict]:
+    """Calibrate, then write the checkpoint (with `recipe_yaml` as recipe.yaml, inside the staging folder so
+    it lands with the rest); returns a MoE model's calibration report (None if dense)."""
+    from quantkit.run_recipe import RECIPE_FILE
+
     from quantkit.checkpoint import write_checkpoint
     from quantkit.pipeline import quantize_model
 
@@ -533,13 +620,14 @@ def _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job: dict,
         moe = (moe_report(adapter, adapter.layers_prefix(hf_model), job["experts"], job["stats"], plan, serving)
                if job["experts"] is not None else None)
         if plan.gguf_type is not None:
+            (disk.folder / RECIPE_FILE).write_text(recipe_yaml)
             _write_gguf(output, hf_model, tokenizer, disk, adapter.layers_prefix(hf_model), plan.gguf_type,
                         plan.method_info(), base_name, overwrite, calibrated=plan.recipe.needs_calibration)
         else:
             write_checkpoint(output, hf_model, tokenizer, disk, adapter.layers_prefix(hf_model), plan.format,
                              plan.method_info(), plan.recipe.format_extra(), base_name, save_dtype, ignore_names,
                              max_shard_size=max_shard_size, overwrite=overwrite, rename=adapter.checkpoint_name,
-                             moe=moe)
+                             moe=moe, extra_files={RECIPE_FILE: recipe_yaml})
     except QuantkitError:
         if disk is not None and not disk.done_layers():
             shutil.rmtree(disk.folder, ignore_errors=True)  # nothing worth resuming: leave no trace
@@ -742,7 +830,7 @@ def sensitivity(model: str = "demo", method: Union[str, list, None] = "gptq", *,
                 ignore: Optional[list[str]] = None, dataset: Any = None, num_samples: Optional[int] = None,
                 seq_len: Optional[int] = None, seed: Optional[int] = None, eval_dataset: Any = None,
                 eval_windows: int = 8, eval_seq_len: int = 512, sample: int = 8, measure_layers: bool = True,
-                candidate_bits=(2, 3, 4, 8), output: Union[str, Path, None] = None, overwrite: bool = False,
+                measure_linears: bool = True, candidate_bits=(2, 3, 4, 8), output: Union[str, Path, None] = None, overwrite: bool = False,
                 trust_remote_code: bool = False, progress: bool = True) -> dict[str, Any]:
     """Measure how much each linear's quantization costs in KL at each candidate bit width (the
     method's group size and symmetry) and write the report (sensitivity.json, PNG pictures, HTML page)
@@ -752,8 +840,9 @@ def sensitivity(model: str = "demo", method: Union[str, list, None] = "gptq", *,
     from quantkit.plan import resolve_plan
     from quantkit.scheme import check_bits
 
-    for b in candidate_bits:
-        check_bits(b)
+    for b in candidate_bits:  # a bit width, or a scheme label (w4g128) that the candidate parser checks
+        if isinstance(b, int):
+            check_bits(b)
     plan = resolve_plan(method, recipe_file=recipe, options=options, group_size=group_size, sym=sym, ignore=ignore,
                         format=format)
     out = Path(output) if output is not None else Path(f"{Path(str(model)).name.lower()}-sensitivity")
@@ -764,9 +853,11 @@ def sensitivity(model: str = "demo", method: Union[str, list, None] = "gptq", *,
                                ("seed", seed)) if v is not None}
     report = sensitivity_of_model(str(model), plan, calibration=given, trust_remote_code=trust_remote_code,
                                   eval_dataset=eval_dataset, eval_windows=eval_windows, eval_seq_len=eval_seq_len,
-                                  sample=sample, measure_layers=measure_layers, bits=tuple(candidate_bits),
+                                  sample=sample, measure_layers=measure_layers, measure_linears=measure_linears,
+                                  bits=tuple(candidate_bits),
                                   progress=say)
     files = write_report(out, report)
     return {"output": str(out), "files": files, "rows": len(report["rows"]), "linears": len({r["linear"] for r in report["rows"]}),
             "schemes": report["schemes"], "calibration_mode": report["calibration_mode"],
-            "proxy_check": report["proxy_check"], "uniform": report["uniform"], "seconds": report["seconds"]}
+            "proxy_check": report["proxy_check"], "uniform": report["uniform"],
+            "interaction_check": report["interaction"]["check"], "seconds": report["seconds"]}

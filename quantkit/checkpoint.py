@@ -123,10 +123,11 @@ def write_checkpoint(
     overwrite: bool = False,
     rename=None,
     moe: Optional[dict[str, Any]] = None,
+    extra_files: Optional[dict[str, str]] = None,
 ) -> Path:
     """Write the checkpoint into the run's staging folder, drop the progress files, rename into place.
     `rename` maps layer tensor names to the family's checkpoint names; `moe` is a MoE run's report
-    (model card section and MOE_REPORT)."""
+    (model card section and MOE_REPORT); `extra_files` {name: text} land with the rest (recipe.yaml)."""
     output = Path(output)
     check_output_dir(output, overwrite)
     fmt = get_format(format_name)
@@ -152,6 +153,8 @@ def write_checkpoint(
         card += moe_card_section(moe)
         (stage / MOE_REPORT).write_text(json.dumps(moe, indent=1, sort_keys=True) + "\n")
     (stage / "README.md").write_text(card)
+    for name, text in (extra_files or {}).items():
+        (stage / name).write_text(text)
     shutil.rmtree(stage / LAYER_DIR)
     (stage / RUN_FILE).unlink()
     normal_permissions(stage)

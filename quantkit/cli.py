@@ -10,6 +10,7 @@ import sys
 
 import click
 
+from quantkit import run_config
 from quantkit.cli_help import SectionedCommand
 from quantkit.errors import QuantkitError
 
@@ -39,112 +40,29 @@ def cli():
     """quantkit: quantize Hugging Face causal LMs into packed, Hub-ready checkpoints and measure them."""
 
 
-QUANTIZE_HELP_SECTIONS = (  # `quantize --help` in this order; options not named here go under "Other options"
-    ("Model and output", ("model", "output", "overwrite", "resume", "dtype", "max_shard_size", "trust_remote_code",
-                          "as_json")),
-    ("Method and scheme", ("method", "recipe", "bits", "group_size", "sym", "format_", "gguf_type", "ignore",
-                           "options")),
-    ("Method option shortcuts (same as --option KEY=VALUE)", ("desc_act", "static_groups", "mse", "offload_hessians")),
-    ("Calibration data", ("dataset", "num_samples", "seq_len", "seed", "chat_template", "batch_size")),
-    ("Quality", ("eval_after",)),
-    ("Devices and memory", ("device", "streaming", "device_map", "max_memory", "nproc", "dist_timeout")),
-    ("Mixture-of-Experts models", ("moe_calibration", "moe_min_tokens")),
-    ("Mixed precision to a size budget", ("target_bits", "target_size", "sensitivity")),
-)
-QUANTIZE_EXAMPLES = (
-    "quantkit quantize                                      # the demo model, RTN 4-bit, group auto",
-    "quantkit quantize --method gptq --eval                 # GPTQ; KL and perplexity in the model card",
-    "quantkit quantize --model ./my-model --recipe best-w4  # a local HF folder, the KL-best 4-bit recipe",
-    "quantkit quantize --method awq,gptq --format compressed-tensors",
-    "quantkit quantize --method gptq --format gguf --gguf-type Q4_K_M",
-    "Every option and the defaults' measurements: docs/cli.md and docs/methods.md",
-)
+QUANTIZE_HELP_SECTIONS = run_config.help_sections()  # generated from quantkit.run_config.SETTINGS
+QUANTIZE_EXAMPLES = run_config.QUANTIZE_EXAMPLES
 
 
 @cli.command(cls=SectionedCommand, sections=QUANTIZE_HELP_SECTIONS, examples=QUANTIZE_EXAMPLES)
-@click.option("--model", default="demo", show_default=True, help="HF folder, hub id, .gguf file, or 'demo'.")
-@click.option("--method", default=None,
-              help="rtn, gptq, awq, smoothquant, or transforms then a weight quantizer: awq,gptq "
-                   "(default: the recipe's, else rtn).")
-@click.option("--bits", type=int, default=None, help="2, 3, 4 or 8 (default 4).")
-@click.option("--group-size", default=None, help="32, 64, 128, -1 (per channel) or auto (default).")
-@click.option("--sym/--asym", default=None, help="Symmetric or asymmetric grid (default: the method's usual).")
-@click.option("--format", "format_", default=None, help="gptq, compressed-tensors, awq or gguf (default: the method's).")
-@click.option("--gguf-type", default=None, help="With --format gguf: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, "
-              "Q4_K_M or Q5_K_M (default: the type matching --bits/--sym).")
-@click.option("--recipe", default=None, help="YAML recipe (path or bundled name); flags override it.")
-@click.option("--dataset", default=None, help="lee (default) or wiki (both offline), wikitext2, c4, pileval, ultrachat, or a .txt/.jsonl/.json/.parquet file.")
-@click.option("--num-samples", type=int, default=None, help="Calibration sequences (default 128).")
-@click.option("--seq-len", type=int, default=None, help="Tokens per calibration sequence (default 512).")
-@click.option("--seed", type=int, default=None, help="Sampling seed (default 0).")
-@click.option("--chat-template", is_flag=True, help="Render message datasets with the tokenizer's chat template.")
-@click.option("--ignore", multiple=True, help="Regex of module names to keep in full precision (repeatable; default lm_head).")
-@click.option("--option", "options", multiple=True, help="Method option KEY=VALUE (repeatable), e.g. damp_percent=0.02.")
-@click.option("--output", default=None, help="Output folder (default ./<model>-<method>-w<bits>g<group>).")
-@click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder (only once the new one is complete).")
-@click.option("--dtype", default="auto", show_default=True, help="dtype of unquantized tensors in the output.")
-@click.option("--device", default=None, help="Compute device for the layer being calibrated (default cpu).")
-@click.option("--trust-remote-code", is_flag=True, help="Allow model code from the hub (off by default).")
-@click.option("--max-shard-size", default="5GB", show_default=True)
-@click.option("--batch-size", type=int, default=None,
-              help="Calibration sequences per forward (default: all of them when a layer's forward fits 4 GiB).")
-@click.option("--eval", "eval_after", is_flag=True, help="Score the checkpoint on held-out text (perplexity, KL divergence to the original, "
-                   "top-1 agreement) and record it in the model card.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer.")
-@click.option("--streaming/--no-streaming", default=None,
-              help="Read decoder layers from disk one at a time (default: when the model would not fit comfortably).")
-@click.option("--offload-hessians", is_flag=True, help="GPTQ: keep Hessians in host memory between batches.")
-@click.option("--desc-act/--no-desc-act", default=None,
-              help="GPTQ: act-order, columns by descending Hessian diagonal (default on).")
-@click.option("--static-groups/--no-static-groups", default=None,
-              help="GPTQ: group scales computed up front, keeping act-order's g_idx trivial (default on).")
-@click.option("--mse/--no-mse", default=None,
-              help="GPTQ and RTN: each group's range shrunk to its lowest rounding error (default on).")
-@click.option("--moe-calibration", type=click.Choice(["routed", "all"]), default=None,
-              help="MoE models: calibrate each expert on the tokens routed to it (routed, the default) or on every "
-                   "token (all; the block's output stays the routed one).")
-@click.option("--moe-min-tokens", type=int, default=None,
-              help="MoE models, routed: an expert with fewer calibration tokens is quantized with RTN (default 8).")
-@click.option("--nproc", type=int, default=None,
-              help="Calibrate data-parallel on N local processes (2, 4 or 8; gloo on CPU, one GPU each with --device cuda); "
-                   "the same bytes as one process. Under torchrun the launched group is used.")
-@click.option("--dist-timeout", type=float, default=None,
-              help="Seconds a rank waits for the others before the data-parallel run stops (default 600).")
-@click.option("--device-map", default=None, help="auto: place the decoder layers with accelerate's device map (GPUs, "
-              "host memory, then disk, streamed); each layer is calibrated on the GPU that holds it.")
-@click.option("--max-memory", default=None, help="With --device-map: budget per device, e.g. 0=70GiB,1=70GiB,cpu=200GiB.")
-@click.option("--target-bits", type=float, default=None, help="Mixed precision: average bits per weight of the quantized "
-              "linears (scales, zero points, g_idx counted); a scheme per linear by least predicted KL.")
-@click.option("--target-size", default=None, help="Mixed precision: size of the written files, e.g. 2.1GB or 700MiB.")
-@click.option("--sensitivity", "sensitivity", default=None,
-              help="With --target-*: the report of `quantkit sensitivity` to allocate from (default: measured first).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line of stdout.")
-def quantize(model, method, bits, group_size, sym, format_, gguf_type, recipe, dataset, num_samples, seq_len, seed, chat_template,
-             ignore, options, output, overwrite, dtype, device, trust_remote_code, max_shard_size, batch_size, eval_after,
-             resume, streaming, offload_hessians, desc_act, static_groups, mse, moe_calibration, moe_min_tokens, nproc,
-             dist_timeout, device_map, max_memory, target_bits, target_size, sensitivity, as_json):
+@run_config.click_options
+def quantize(**params):
     """Quantize a model and write a packed checkpoint."""
     from quantkit import api
 
     _quiet_libraries()
-    result = api.quantize(
-        model=model, method=method, bits=bits, group_size=group_size, sym=sym, format=format_, recipe=recipe,
-        dataset=dataset, num_samples=num_samples, seq_len=seq_len, seed=seed, chat_template=chat_template,
-        ignore=list(ignore) if ignore else None, options=_method_options(options, offload_hessians=offload_hessians,
-                                                                               desc_act=desc_act, static_groups=static_groups,
-                                                                               mse=mse), output=output,
-        overwrite=overwrite, dtype=dtype, device=device, trust_remote_code=trust_remote_code, max_shard_size=max_shard_size,
-        batch_size=batch_size, eval_after=eval_after, progress=not as_json, resume=resume, streaming=streaming,
-        gguf_type=gguf_type, moe_calibration=moe_calibration, moe_min_tokens=moe_min_tokens, nproc=nproc,
-        dist_timeout=dist_timeout, device_map=device_map, max_memory=max_memory,
-        target_bits=target_bits, target_size=target_size, sensitivity=sensitivity,
-    )
+    result = api.quantize(**_api_keywords(params))
     if result is None:  # a rank other than 0 of a torchrun group: rank 0 reports
         return
-    rss = result["peak_rss_mb"]
-    _emit(dict(result), as_json, f"wrote {result['output']} ({result['method']}, {result['bits']}-bit, group {result['group_size']}, "
-                           f"{result['format']}) in {result['seconds']:.1f} s, "
-                           + (f"peak RSS {rss:.0f} MB" if rss is not None else "peak RSS unknown"))
+    _emit(dict(result), params["as_json"], _quantize_line(result))
+
+
+def _quantize_line(r) -> str:
+    """quantize's human summary: what was written, with which scheme, how long it took."""
+    scheme = r["scheme"] if "scheme" in r else f"{r['bits']}-bit, group {r['group_size']}"
+    rss = r["peak_rss_mb"]
+    return (f"wrote {r['output']} ({r['method']}, {scheme}, {r['format']}) in {r['seconds']:.1f} s, "
+            + (f"peak RSS {rss:.0f} MB" if rss is not None else "peak RSS unknown"))
 
 
 @cli.command()
@@ -338,6 +256,18 @@ def _one_model(positional, option) -> str:
     return option if option is not None else positional
 
 
+def _api_keywords(params: dict) -> dict:
+    """`quantize`'s click parameters -> api.quantize's keywords: the method-option shortcuts fold into
+    `options`, --json turns progress off, repeatable options become lists (None when not given)."""
+    p = dict(params)
+    shortcuts = {k: p.pop(k) for k in ("offload_hessians", *_ON_OFF_FLAGS)}
+    as_json = p.pop("as_json")
+    p["format"] = p.pop("format_")
+    p["ignore"] = list(p["ignore"]) if p["ignore"] else None
+    p["options"] = _method_options(p["options"], **shortcuts)
+    return {**p, "progress": not as_json}
+
+
 def _method_options(pairs, **flags) -> dict:
     """--option KEY=VALUE pairs plus the convenience flags that were given."""
     options = _parse_options(pairs)
@@ -363,7 +293,8 @@ def _parse_options(pairs) -> dict:
 @click.option("--format", "format_", default=None, help="gptq or compressed-tensors: whose packed sizes are counted.")
 @click.option("--group-size", default=None, help="Group size of every candidate (default auto).")
 @click.option("--sym/--asym", default=None, help="Symmetric or asymmetric grid (default: the method's usual).")
-@click.option("--candidate-bits", default="2,3,4,8", show_default=True, help="Bit widths measured per linear.")
+@click.option("--candidate-bits", default="2,3,4,8", show_default=True,
+              help="Candidates per linear: bit widths (at --group-size) or scheme labels, e.g. w3g64,w4g128,w4g32,w8g128.")
 @click.option("--dataset", default=None, help="Calibration text for the proxy's Hessians (default lee).")
 @click.option("--num-samples", type=int, default=None, help="Calibration sequences (default 128).")
 @click.option("--seq-len", type=int, default=None, help="Tokens per calibration sequence (default 512).")
@@ -373,25 +304,30 @@ def _parse_options(pairs) -> dict:
 @click.option("--sample", type=int, default=8, show_default=True,
               help="Single linears whose KL is measured at every scheme, to check the proxy.")
 @click.option("--measure-layers/--no-measure-layers", default=True, show_default=True,
-              help="Measure every decoder layer's KL per scheme (calibrates the proxy per layer).")
+              help="Without --measure-linears: measure every decoder layer's KL per scheme (calibrates the proxy per layer).")
+@click.option("--measure-linears/--no-measure-linears", default=True, show_default=True,
+              help="Measure every linear alone at every candidate (the prediction is the measurement; the costliest, "
+                   "the most accurate); --no-measure-linears: predict from the proxy.")
 @click.option("--output", default=None, help="Report folder (default ./<model>-sensitivity).")
 @click.option("--overwrite", is_flag=True)
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
 def sensitivity(model, method, format_, group_size, sym, candidate_bits, dataset, num_samples, seq_len, eval_dataset,
-                eval_windows, eval_seq_len, sample, measure_layers, output, overwrite, trust_remote_code, as_json):
+                eval_windows, eval_seq_len, sample, measure_layers, measure_linears, output, overwrite, trust_remote_code,
+                as_json):
     """KL increase per linear and decoder layer at each candidate scheme: JSON, PNG and HTML report."""
     from quantkit import api
 
     _quiet_libraries()
     try:
-        bits = tuple(int(b) for b in candidate_bits.split(","))
+        bits = tuple(int(b) if b.strip().isdigit() else b.strip() for b in candidate_bits.split(","))
     except ValueError:
-        raise QuantkitError(f"--candidate-bits {candidate_bits!r}: give bit widths separated by commas, e.g. 2,3,4,8") from None
+        raise QuantkitError(f"--candidate-bits {candidate_bits!r}: give bit widths or scheme labels separated by commas, "
+                            "e.g. 2,3,4,8 or w3g64,w4g128,w8g128") from None
     r = api.sensitivity(model, method, group_size=group_size, sym=sym, format=format_, dataset=dataset,
                         num_samples=num_samples, seq_len=seq_len, eval_dataset=eval_dataset, eval_windows=eval_windows,
                         eval_seq_len=eval_seq_len, sample=sample, measure_layers=measure_layers,
-                        candidate_bits=bits, output=output, overwrite=overwrite, trust_remote_code=trust_remote_code,
+                        measure_linears=measure_linears, candidate_bits=bits, output=output, overwrite=overwrite, trust_remote_code=trust_remote_code,
                         progress=not as_json)
     _emit(r, as_json, f"wrote {r['output']} ({r['rows']} rows: {r['linears']} linears x {len(r['schemes'])} schemes; "
                       f"proxy check {json.dumps(r['proxy_check'])})")

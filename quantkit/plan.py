@@ -13,9 +13,13 @@ from typing import Any, Optional, Union
 
 from quantkit.errors import QuantkitError, first_line
 from quantkit.quantizers.recipe import Recipe, build_recipe
+from quantkit.run_recipe import OUTPUT_KEYS, RESOLVED_KEYS, SOURCE_KEYS, TOKEN_KEYS, Replay, replay_of
 from quantkit.scheme import QuantScheme, parse_group_size, scheme_from_dict
+from quantkit.scheme_presets import SchemePreset
 
-RECIPE_KEYS = {"method", "format", "scheme", "options", "calibration"}
+# a checkpoint's recipe.yaml (quantkit.run_recipe) adds quantkit, source, gguf_type, output and resolved
+RECIPE_KEYS = {"method", "format", "scheme", "options", "calibration", "quantkit", "source", "gguf_type", "output",
+               "resolved"}
 CALIBRATION_KEYS = {"dataset", "num_samples", "seq_len", "seed", "chat_template", "batch_size", "moe_calibration",
                     "moe_min_tokens"}
 CALIBRATION_DEFAULTS = {"dataset": "lee", "num_samples": 128, "seq_len": 512, "seed": 0, "chat_template": False,
@@ -75,6 +79,13 @@ class QuantizePlan:
     format: str
     calibration: Optional[Calibration]  # None: the method reads no data
     gguf_type: Optional[str] = None  # with format "gguf": the llama.cpp type or mix the weights go onto
+    preset: Optional[SchemePreset] = None  # --scheme NAME; a float one is written by quantkit.float_checkpoint
+    replay: Optional[Replay] = None  # what a checkpoint's recipe.yaml promises (checked after loading)
+
+    @property
+    def float_preset(self) -> Optional[SchemePreset]:
+        """The named float scheme this run writes (FP8 / NVFP4 / MXFP4), None for the integer path."""
+        return self.preset if self.preset is not None and self.preset.weights.kind == "float" else None
 
     def method_info(self) -> dict[str, Any]:
         """What the model card and the resume fingerprint record of the method: nothing it did not use."""
@@ -115,11 +126,29 @@ def read_recipe_file(path_or_name: Union[str, Path]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise QuantkitError(f"recipe {source} must be a mapping with keys {sorted(RECIPE_KEYS)}")
     _refuse_unknown(data, RECIPE_KEYS, f"recipe {source}")
-    for section in ("scheme", "options", "calibration"):
+    for section in ("options", "calibration", "source", "output", "resolved"):
         if data.get(section) is not None and not isinstance(data[section], dict):
             raise QuantkitError(f"recipe {source}: '{section}' must be a mapping")
-    _refuse_unknown(data.get("calibration") or {}, CALIBRATION_KEYS, f"recipe {source} section 'calibration'")
+    if data.get("scheme") is not None and not isinstance(data["scheme"], (dict, str)):
+        raise QuantkitError(f"recipe {source}: 'scheme' must be a mapping (bits, group_size, ...) or a scheme name")
+    for section, keys in (("calibration", CALIBRATION_KEYS | TOKEN_KEYS), ("source", SOURCE_KEYS),
+                          ("output", OUTPUT_KEYS), ("resolved", RESOLVED_KEYS)):
+        _refuse_unknown(data.get(section) or {}, keys, f"recipe {source} section '{section}'")
+    if isinstance(data.get("scheme"), dict):
+        _refuse_unknown(data["scheme"], SCHEME_KEYS, f"recipe {source} section 'scheme'")
     return data
+
+
+SCHEME_KEYS = {"bits", "group_size", "sym", "ignore", "overrides"}
+
+
+def recipe_run_defaults(recipe_file) -> dict[str, Any]:
+    """The source model and output settings a recipe.yaml recorded (model, dtype, max_shard_size), used
+    where the caller gives none; {} without a recipe."""
+    if not recipe_file:
+        return {}
+    rec = read_recipe_file(recipe_file)
+    return {k: v for k, v in {**(rec.get("source") or {}), **(rec.get("output") or {})}.items() if v is not None}
 
 
 def _refuse_unknown(d: dict, allowed: set, where: str) -> None:
@@ -145,25 +174,88 @@ def parse_option_value(text: str) -> Any:
 
 
 def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = None, bits=None, group_size=None,
-                 sym=None, ignore=None, format=None, gguf_type=None, calibration: Optional[dict] = None) -> QuantizePlan:
+                 sym=None, ignore=None, format=None, gguf_type=None, calibration: Optional[dict] = None,
+                 scheme: Optional[str] = None) -> QuantizePlan:
     """Recipe file + explicit arguments (which win) -> a frozen plan. `calibration` holds only the
-    calibration arguments the caller gave explicitly (dataset, num_samples, ...)."""
-    for flag, value in (("--recipe", recipe_file), ("--format", format), ("--gguf-type", gguf_type)):
+    calibration arguments the caller gave explicitly (dataset, num_samples, ...); `scheme` a preset name."""
+    for flag, value in (("--recipe", recipe_file), ("--format", format), ("--gguf-type", gguf_type),
+                        ("--scheme", scheme)):
         if isinstance(value, str) and not value.strip():
             raise QuantkitError(f"{flag} is empty; give a value or leave the option out")
     rec = read_recipe_file(recipe_file) if recipe_file else {}
+    if scheme is None and isinstance(rec.get("scheme"), str):
+        scheme, rec = rec["scheme"], {**rec, "scheme": None}
+    elif scheme is not None:
+        rec = {**rec, "scheme": None}  # the named scheme replaces the recipe's
+    preset = None
+    if scheme is not None:
+        preset, method, flags = _preset_flags(scheme, method if method is not None else rec.get("method"),
+                                              bits=bits, group_size=group_size, sym=sym, format=format)
+        bits, group_size, sym, format = flags
     recipe = build_recipe(method if method is not None else rec.get("method", DEFAULT_METHOD),
                           {**(rec.get("options") or {}), **(options or {})})
-    scheme = _scheme(recipe, rec.get("scheme") or {}, bits=bits, group_size=group_size, sym=sym, ignore=ignore)
+    if preset is not None and preset.weights.kind == "float":
+        _check_float_preset(preset, recipe, options, gguf_type)
+    quant_scheme = _scheme(recipe, rec.get("scheme") or {}, bits=bits, group_size=group_size, sym=sym, ignore=ignore)
+    gguf_type = gguf_type if gguf_type is not None else rec.get("gguf_type")
     format_name = str(format or rec.get("format") or recipe.default_format)
     if format_name.lower() == "gguf":
-        format_name, gguf_type = "gguf", _gguf_type(recipe, scheme, gguf_type)
+        format_name, gguf_type = "gguf", _gguf_type(recipe, quant_scheme, gguf_type)
     elif gguf_type is not None:
         raise QuantkitError("--gguf-type needs --format gguf")
-    else:
+    elif preset is None or preset.weights.kind != "float":
         _check_format(recipe, format_name)
-    return QuantizePlan(recipe=recipe, scheme=scheme, format=format_name, gguf_type=gguf_type,
+    given = scheme is not None or any(v is not None for v in (method, bits, group_size, sym, format)) or bool(ignore) \
+        or bool(options)
+    replay = replay_of(rec, str(recipe_file), calibration or {}, given) if rec else None
+    return QuantizePlan(recipe=recipe, scheme=quant_scheme, format=format_name, gguf_type=gguf_type, preset=preset,
+                        replay=replay,
                         calibration=_calibration(recipe, rec.get("calibration") or {}, calibration or {}))
+
+
+def _preset_flags(name: str, method, *, bits, group_size, sym, format):
+    """(the preset, the method, (bits, group_size, sym, format)) for --scheme NAME: an integer preset is
+    its bits / group size / symmetry on the existing path (W8A8: SmoothQuant's int8 weights and
+    activations); contradicting flags are refused."""
+    from quantkit.scheme_presets import check_flags_agree, preset
+
+    p = preset(name)
+    g = parse_group_size(group_size)
+    check_flags_agree(p, bits=bits, group_size=g if g != "auto" else None, sym=sym)
+    if g == "auto":
+        raise QuantkitError(f"--scheme {p.name} fixes the group size; drop --group-size auto")
+    w = p.weights
+    if w.kind == "float":
+        if format is not None and format != "compressed-tensors":
+            raise QuantkitError(f"--scheme {p.name} is written as compressed-tensors; drop --format {format}")
+        return p, method, (w.bits, None, None, "compressed-tensors")
+    acts = p.input_activations
+    if acts is not None and acts.kind == "float":
+        raise QuantkitError(f"--scheme {p.name} (int weights, FP8 activations) is not written yet; use W4A16 or W8A8")
+    if acts is not None:  # W8A8: int8 per-channel weights, int8 dynamic per-token activations
+        method = "smoothquant" if method is None else method
+        if not build_recipe(method, {}).quantizes_activations:
+            raise QuantkitError(f"--scheme {p.name} quantizes activations; method {method!r} does not: use "
+                                "--method smoothquant or smoothquant,gptq (or drop --method)")
+    elif method is not None and build_recipe(method, {}).quantizes_activations:
+        raise QuantkitError(f"--scheme {p.name} keeps activations in 16 bits; method {method!r} quantizes them: "
+                            "choose a weight-only method (rtn, gptq, awq) or --scheme W8A8")
+    group = {"group": w.group_size, "channel": -1}.get(w.strategy)
+    if group is None:
+        raise QuantkitError(f"--scheme {p.name}: integer weights per {w.strategy} are not written; use W4A16 or W8A16")
+    return p, method, (w.bits, group, w.symmetric, format or "compressed-tensors")
+
+
+def _check_float_preset(p: SchemePreset, recipe: Recipe, options: Optional[dict], gguf_type) -> None:
+    """A float preset is written by round-to-nearest onto its grid (quantkit.float_checkpoint)."""
+    from quantkit.float_checkpoint import layout_of
+
+    if recipe.name != "rtn":
+        raise QuantkitError(f"--scheme {p.name} is written by round-to-nearest only (GPTQ/AWQ on float grids are not "
+                            f"wired to the CLI yet); drop --method {recipe.name} or use --method rtn")
+    if options or gguf_type is not None:
+        raise QuantkitError(f"--scheme {p.name}'s writer takes no method options or --gguf-type; drop them")
+    layout_of(p)  # refuses the presets that need calibrated activation scales, with the reason
 
 
 def _gguf_type(recipe: Recipe, scheme: QuantScheme, gguf_type: Optional[str]) -> str:
@@ -201,6 +293,8 @@ def _check_format(recipe: Recipe, format_name: str) -> None:
 
 def _calibration(recipe: Recipe, from_file: dict, explicit: dict) -> Optional[Calibration]:
     given = {k: v for k, v in explicit.items() if v is not None and v is not False}
+    # a recipe.yaml's nulls mean "not chosen" (in-memory rows size themselves); its token hash is the Replay's
+    from_file = {k: v for k, v in from_file.items() if v is not None and k not in TOKEN_KEYS}
     _refuse_unknown(given, CALIBRATION_KEYS, "calibration settings")
     if not recipe.needs_calibration:
         used = sorted({*given, *from_file})
