@@ -95,7 +95,8 @@ def hf_decode(model, prompt: list[int], n: int) -> dict:
     return {"decode_tokens_per_s": (n - 1) / max(tn - t1, 1e-9), "tokens_per_s": n / tn}
 
 
-def engine_decode(engine, prompt: list[int], n: int) -> dict:
+def engine_decode(engine, prompt: list[int], n: int, keep_tokens: bool = False) -> dict:
+    """Decode speed of one timed greedy run after a short warm-up; ``keep_tokens``: the tokens too."""
     from quantkit.engine import SamplingParams
 
     # warm-up at the timed prompt's length (on GPU the prefill's GEMM shape is autotuned on first use),
@@ -107,8 +108,11 @@ def engine_decode(engine, prompt: list[int], n: int) -> dict:
     wall = time.perf_counter() - t0
     assert len(out[0]["token_ids"]) == n
     m = engine.get_metrics()
-    return {"decode_tokens_per_s": m["decode_tokens_per_s"], "tokens_per_s": n / wall, "ttft_ms": m["ttft_ms"],
-            "tpot_ms": m["tpot_ms"]}
+    row = {"decode_tokens_per_s": m["decode_tokens_per_s"], "tokens_per_s": n / wall, "ttft_ms": m["ttft_ms"],
+           "tpot_ms": m["tpot_ms"]}
+    if keep_tokens:
+        row["token_ids"] = out[0]["token_ids"]
+    return row
 
 
 def switched_off(build, variable: str):

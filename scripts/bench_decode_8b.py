@@ -11,6 +11,13 @@ Rows, each one timed run after a warm-up, same random prompt and length (EOS ign
 * the engine after every decoder linear is replaced in place by a ``QuantLinear`` holding its RTN
   int4 weight (``gptq`` layout, backend ``auto``: the Triton dequant-GEMM on GPU).
 
+``--cuda-graph both`` (the default on GPU) runs each engine row twice, eagerly and with its decode
+step replayed from a CUDA graph (engine.static_step, issue #49), and prints the ratios the issue
+asks for: int4 over fp16 (both from graphs), graph over eager, and each row's weight bytes per
+token times its tokens/s against the card's bandwidth (``--peak-gbs``; H200 4800, H100 SXM 3350
+assumed from the device name). On CPU ``both`` adds the static-step rows, run eagerly (no graphs
+on CPU): what the test suite runs so that the path cannot rot.
+
 Decode tokens/s excludes the prefill, as in ``scripts/bench_decode.py`` (whose timing functions
 this uses). ``--shape tiny`` runs the same steps on a small config (what the test suite does on
 CPU, so the script cannot rot between GPU sessions).
@@ -87,6 +94,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--backend", default=None, help="QuantLinear backend (default: auto on GPU, cpu on CPU)")
+    ap.add_argument("--cuda-graph", choices=("both", "on", "off"), default=None,
+                    help="engine rows eager (off), from CUDA graphs (on) or both (default: both on GPU, off on CPU)")
+    ap.add_argument("--peak-gbs", type=float, default=None,
+                    help="the card's memory bandwidth in GB/s (default: from the device name, H200/H100 only)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
@@ -107,40 +118,92 @@ def main(argv=None) -> int:
     prompt = torch.randint(0, cfg.vocab_size, (P,), generator=torch.Generator().manual_seed(1)).tolist()
     blocks = -(-(P + N) // 16) + 4
 
-    def engine_row():
-        engine = LLMEngine(model, None, num_kv_blocks=blocks, max_num_seqs=1)
-        try:
-            return engine_decode(engine, prompt, N)
-        finally:
-            del engine
+    graph_mode = args.cuda_graph or ("both" if gpu else "off")
+    graph_label = "CUDA graph" if gpu else "static step, no graph on CPU"
+
+    def engine_rows(name: str) -> None:
+        """The engine's row(s) for the model as it is now: eager and/or from CUDA graphs."""
+        weight_bytes = bytes_read_per_token(model)
+        for graphed in {"off": (False,), "on": (True,), "both": (False, True)}[graph_mode]:
+            engine = LLMEngine(model, None, num_kv_blocks=blocks, max_num_seqs=1, cuda_graph=graphed)
+            try:
+                row = engine_decode(engine, prompt, N, keep_tokens=True)
+                row["weight_bytes_per_token"] = weight_bytes
+                row["static_step"] = engine.runner.static_step is not None
+                row["cuda_graphs_captured"] = len(engine.runner.static_step.graphs) if row["static_step"] else 0
+            finally:
+                del engine
+            rows[f"{name} ({graph_label})" if graphed else name] = row
 
     rows = {}
-    rows[f"transformers generate {str(dtype).replace('torch.', '')}"] = hf_decode(model, prompt, N)
-    rows[f"engine {str(dtype).replace('torch.', '')} (unquantized)"] = engine_row()
+    dt = str(dtype).replace('torch.', '')
+    rows[f"transformers generate {dt}"] = hf_decode(model, prompt, N)
+    engine_rows(f"engine {dt} (unquantized)")
     backend = args.backend or ("auto" if gpu else "cpu")
     t0 = time.perf_counter()
     n = quantize_in_place(model, args.group_size, backend)
     print(f"[bench] RTN int4 w4g{args.group_size} sym: {n} linears replaced in {time.perf_counter() - t0:.0f} s",
           file=sys.stderr, flush=True)
-    rows[f"engine int4 rtn (backend {backend})"] = engine_row()
+    engine_rows(f"engine int4 rtn (backend {backend})")
     if gpu:
         rows["peak GPU memory GiB"] = {"value": torch.cuda.max_memory_allocated(device) / 2 ** 30}
+    peak = args.peak_gbs or (peak_bandwidth_gbs(torch.cuda.get_device_name(device)) if gpu else None)
 
     base = next(iter(rows.values()))["decode_tokens_per_s"]
     print(f"\n{args.shape} ({cfg.num_hidden_layers} layers), random weights, device {device}, prompt {P} tokens, "
           f"{N} new tokens, batch 1, one run each")
-    print(f"{'':44s} {'decode tok/s':>12s} {'vs transformers':>16s}")
+    width = max(map(len, rows)) + 1
+    print(f"{'':{width}s} {'decode tok/s':>12s} {'vs transformers':>16s}")
     for name, r in rows.items():
         if "decode_tokens_per_s" in r:
             d = r["decode_tokens_per_s"]
-            print(f"{name:44s} {d:12.1f} {d / base:15.2f}x")
+            print(f"{name:{width}s} {d:12.1f} {d / base:15.2f}x")
         else:
-            print(f"{name:44s} {r['value']:12.1f}")
+            print(f"{name:{width}s} {r['value']:12.1f}")
+    print_ratios(rows, dt, backend, graph_label, peak)
     if args.json:
         Path(args.json).write_text(json.dumps({"shape": args.shape, "layers": cfg.num_hidden_layers,
                                                "device": str(device), "prompt_len": P, "new_tokens": N,
-                                               "rows": rows}, indent=2))
+                                               "cuda_graph": graph_mode, "peak_gbs": peak, "rows": rows}, indent=2))
     return 0
+
+
+def bytes_read_per_token(model) -> int:
+    """Bytes a batch-1 decode step must read: every parameter and buffer (packed int4 words,
+    scales, norms, the LM head) except the input embedding table, of which it reads one row."""
+    embed = model.get_input_embeddings().weight
+    tensors = {t.data_ptr(): t for t in list(model.parameters()) + list(model.buffers()) if t.data_ptr() != embed.data_ptr()}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+PEAK_GBS = {"H200": 4800.0, "H100": 3350.0}  # HBM3e / HBM3 (SXM) data-sheet figures
+
+
+def peak_bandwidth_gbs(device_name: str):
+    for key, gbs in PEAK_GBS.items():
+        if key in device_name:
+            return gbs
+    return None
+
+
+def print_ratios(rows: dict, dt: str, backend: str, graph_label: str, peak) -> None:
+    """Graph over eager, int4 over the unquantized engine, achieved bandwidth (all from this run)."""
+    fp, q4 = f"engine {dt} (unquantized)", f"engine int4 rtn (backend {backend})"
+    speed = {name: r["decode_tokens_per_s"] for name, r in rows.items() if "decode_tokens_per_s" in r}
+    print("\nratios (decode tok/s, this run):")
+    for name in (fp, q4):
+        graphed = f"{name} ({graph_label})"
+        if name in speed and graphed in speed:
+            same = rows[name]["token_ids"] == rows[graphed]["token_ids"]
+            print(f"  {graphed} / eager: {speed[graphed] / speed[name]:.2f}x (same greedy tokens: {same})")
+    for suffix in ("", f" ({graph_label})"):
+        if fp + suffix in speed and q4 + suffix in speed:
+            print(f"  int4 / {dt}{suffix}: {speed[q4 + suffix] / speed[fp + suffix]:.2f}x (issue #49 target: 2.5x)")
+    for name, r in rows.items():
+        if "weight_bytes_per_token" in r:
+            gbs = r["weight_bytes_per_token"] * r["decode_tokens_per_s"] / 1e9
+            share = f", {100 * gbs / peak:.0f} % of {peak:.0f} GB/s" if peak else ""
+            print(f"  {name}: {r['weight_bytes_per_token'] / 1e9:.2f} GB of weights per token, {gbs:.0f} GB/s{share}")
 
 
 if __name__ == "__main__":

@@ -917,10 +917,14 @@ def test_gpu_decode_benchmark_script_runs_its_steps_on_a_tiny_shape(tmp_path, mo
 
     out = tmp_path / "bench.json"
     assert bench.main(["--shape", "tiny", "--device", "cpu", "--prompt-len", "8", "--new-tokens", "4",
-                       "--json", str(out)]) == 0
+                       "--cuda-graph", "both", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert list(rows) == ["transformers generate float32", "engine float32 (unquantized)", "engine int4 rtn (backend cpu)"]
+    static = " (static step, no graph on CPU)"
+    assert list(rows) == ["transformers generate float32", "engine float32 (unquantized)",
+                          "engine float32 (unquantized)" + static, "engine int4 rtn (backend cpu)",
+                          "engine int4 rtn (backend cpu)" + static]
     assert all(r["decode_tokens_per_s"] > 0 for r in rows.values())
+    assert [r["static_step"] for r in list(rows.values())[1:]] == [False, True, False, True]
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

@@ -58,13 +58,14 @@ def generate_text(model_path: str, prompt: str, max_new_tokens: int = 64, chat: 
                   kv_cache_memory: Union[int, str, None] = None, device: Optional[str] = None,
                   dtype: Optional[str] = None, ignore_eos: bool = False, draft=None, num_speculative_tokens: int = 4,
                   draft_dtype: Optional[str] = None, lm_head_quant: Optional[str] = None,
-                  draft_lm_head_quant: Optional[str] = None, draft_confidence: float = 0.0) -> dict:
+                  draft_lm_head_quant: Optional[str] = None, draft_confidence: float = 0.0,
+                  cuda_graph: Optional[bool] = None) -> dict:
     """Generate from one prompt through the engine. ``stream(text_piece)`` is called as text becomes
     decodable (e.g. ``functools.partial(print, end="", flush=True)``). Returns dict(text, token_ids,
     finish_reason, num_prompt_tokens, ttft_ms, tpot_ms, tokens_per_s), and with a ``draft`` (a model
     path, "demo", "ngram" or a loaded model: speculative decoding, ``num_speculative_tokens`` per
     step) acceptance_rate, mean_accepted_tokens and the counts behind them. ``lm_head_quant`` /
-    ``draft_lm_head_quant``, ``draft_confidence``: see :class:`LLMEngine`."""
+    ``draft_lm_head_quant``, ``draft_confidence``, ``cuda_graph``: see :class:`LLMEngine`."""
     at_least("--block-size", block_size)
     model, tokenizer = load_model_and_tokenizer(model_path, backend, device, dtype)
     draft, draft_tokenizer = load_draft(draft, model_path, backend, device, draft_dtype)
@@ -78,7 +79,7 @@ def generate_text(model_path: str, prompt: str, max_new_tokens: int = 64, chat: 
                        kv_cache_dtype=kv_cache_dtype, max_num_seqs=1, draft=draft,
                        num_speculative_tokens=num_speculative_tokens, draft_tokenizer=draft_tokenizer,
                        lm_head_quant=lm_head_quant, draft_lm_head_quant=draft_lm_head_quant,
-                       draft_confidence=draft_confidence, **kw)
+                       draft_confidence=draft_confidence, cuda_graph=cuda_graph, **kw)
     callback = (lambda _i, _tok, piece: stream(piece) if piece else None) if stream is not None else None
     t0 = time.perf_counter()
     out = engine.generate([ids], params, stream_callback=callback)[0]
@@ -102,7 +103,8 @@ def run_bench(model_path: str = "demo", batch: int = 8, input_len: int = 128, ou
               max_num_seqs: Optional[int] = None, seed: int = 0, warmup: bool = True, model=None,
               tokenizer=None, draft=None, num_speculative_tokens: int = 4, draft_dtype: Optional[str] = None,
               draft_tokenizer=None, lm_head_quant: Optional[str] = None,
-              draft_lm_head_quant: Optional[str] = None, draft_confidence: float = 0.0) -> dict:
+              draft_lm_head_quant: Optional[str] = None, draft_confidence: float = 0.0,
+              cuda_graph: Optional[bool] = None) -> dict:
     """``batch`` random prompts of ``input_len`` tokens, ``output_len`` greedy tokens each (EOS
     ignored), all submitted at once and run with continuous batching.
 
@@ -112,7 +114,7 @@ def run_bench(model_path: str = "demo", batch: int = 8, input_len: int = 128, ou
     ``model`` (and ``tokenizer``) to reuse a loaded model instead of loading ``model_path``. With a
     ``draft`` (as for :func:`generate_text`) it decodes speculatively and adds acceptance_rate,
     mean_accepted_tokens and the counts behind them (random prompts: a draft accepts less than
-    on real text)."""
+    on real text). ``cuda_graph``: see :class:`LLMEngine`."""
     if batch < 1 or input_len < 1 or output_len < 1:
         raise QuantkitError("batch, input_len and output_len must be at least 1")
     at_least("--block-size", block_size)
@@ -125,7 +127,7 @@ def run_bench(model_path: str = "demo", batch: int = 8, input_len: int = 128, ou
                        max_num_batched_tokens=max(8192, input_len), draft=draft,
                        num_speculative_tokens=num_speculative_tokens, draft_tokenizer=draft_tokenizer,
                        lm_head_quant=lm_head_quant, draft_lm_head_quant=draft_lm_head_quant,
-                       draft_confidence=draft_confidence)
+                       draft_confidence=draft_confidence, cuda_graph=cuda_graph)
     vocab = engine.runner.embed.num_embeddings
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     if warmup:
