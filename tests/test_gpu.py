@@ -122,3 +122,26 @@ def test_half_precision_engine_on_cuda_tracks_transformers(dtype):
     got = engine_logits_fn(model, block_size=8)(x).float()
     err_hf, err_engine = rel_err(hf, ref), rel_err(got, ref)
     assert err_engine <= 1.5 * err_hf + 1e-4, (err_engine, err_hf)
+
+
+@pytest.mark.parametrize("weights", ["fp16", "int4"])
+def test_static_step_cuda_graphs_give_the_eager_engines_tokens(weights):
+    """engine.static_step on CUDA (issue #49): decode steps replayed from one CUDA graph per bucket
+    (1, 2, 4; batches of 3 padded to 4, of 6 and 5 eager) give the eager engine's greedy tokens; a
+    graph was captured for each bucket used. int4: Triton linears with fp32 activations."""
+    model = tiny_model("llama").to(CUDA)
+    model = _dequantized_copy(model)[0] if weights == "int4" else model.to(torch.float16)
+    ps = prompts(6, [5, 9, 3, 12, 7, 4], seed=3)
+    params = [greedy(n, ignore_eos=True) for n in (3, 5, 7, 9, 11, 14)]
+    runs = {}
+    for graphed in (False, True):
+        eng = LLMEngine(model, block_size=8, num_kv_blocks=64, max_num_seqs=8, cuda_graph=graphed,
+                        graph_buckets=(1, 2, 4))
+        runs[graphed] = (eng, [o["token_ids"] for o in eng.generate(ps, params)])
+        assert_pool_full(eng)
+    (eager, want), (static, got) = runs[False], runs[True]
+    assert eager.runner.static_step is None and static.runner.static_step is not None, static.runner.static_step_problem
+    assert got == want
+    step = static.runner.static_step
+    assert sorted(step.graphs) == [1, 2, 4] and step.steps_by_bucket == {1: 3, 2: 2, 4: 4}
+    assert step.eager_fallbacks == 4

@@ -43,7 +43,7 @@ def test_buckets_and_bucket_choice():
     assert block_table_width(10, 4, 20) == 3
 
 
-def _quantize_int4(model):
+def _quantize_int4(model, backend="auto"):
     from quantkit.quantizers.grid import rtn_quantize
     from quantkit.runtime.quant_linear import QuantLinear
 
@@ -53,7 +53,7 @@ def _quantize_int4(model):
             for n in names:
                 lin = getattr(parent, n)
                 qw = rtn_quantize(lin.weight.data, 4, 32, True, lin.bias)
-                setattr(parent, n, QuantLinear.from_quantized(qw, "gptq", dtype=torch.float32, backend="auto"))
+                setattr(parent, n, QuantLinear.from_quantized(qw, "gptq", dtype=torch.float32, backend=backend))
     return model
 
 
@@ -104,3 +104,29 @@ def test_static_step_is_off_by_default_on_cpu_and_checks_its_buckets():
     assert eng.runner.static_step.buckets == (1, 2, 4, 6)
     assert eng.runner.static_step.buffers.logits.shape == (6, 256)
     assert eng.runner.static_step.buffers.block_tables.shape == (6, 16)  # 512 positions / 4 > 16 blocks
+
+
+@pytest.mark.parametrize("int4", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_static_step_with_the_triton_kernels_under_the_interpreter(int4):
+    """What a CUDA graph replays, short of the graph: the Triton paged-attention kernel reads the
+    static block-table buffer (columns past a sequence's blocks stale from earlier steps) and the
+    int4 linears run the Triton dequant GEMM, here in the Triton interpreter on CPU tensors (the int4
+    case takes ~11 s on 2 cores: slow tier)."""
+    from quantkit.kernels import triton_support
+
+    if not triton_support.HAS_TRITON or not triton_support.INTERPRET:
+        pytest.skip("triton interpreter not active")
+    model = tiny_model("llama", num_hidden_layers=1)
+    if int4:
+        model = _quantize_int4(model, backend="triton")
+    prompts = _prompts(3, [6, 3, 9], seed=2)
+    max_tokens = [2, 4, 6]
+    runs = {}
+    for graphed in (False, True):
+        eng = LLMEngine(model, block_size=4, num_kv_blocks=16, max_num_seqs=4, cuda_graph=graphed,
+                        graph_buckets=(1, 2, 4), attention_backend="triton")
+        assert eng.runner.use_triton
+        runs[graphed] = eng, [o["token_ids"] for o in eng.generate(prompts, [greedy(n, ignore_eos=True) for n in max_tokens])]
+        assert_pool_full(eng)
+    assert runs[True][1] == runs[False][1]
+    assert runs[True][0].runner.static_step.steps_by_bucket == {1: 2, 2: 2, 4: 1}
