@@ -7,6 +7,7 @@ dynamic-activation ones (FP8_DYNAMIC, FP8_BLOCK, MXFP4).  FP8 (static per-tensor
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,9 +21,8 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.float_codecs import fp8, mxfp4, nvfp4
 from quantkit.formats import ct_float_quantized, ct_mxfp4, ct_nvfp4
+from quantkit.formats.ct_float_layouts import LAYOUTS, args_from_config
 from quantkit.scheme_presets import QuantArgs, SchemePreset
-
-_LAYOUTS = {m.FORMAT: m for m in (ct_float_quantized, ct_nvfp4, ct_mxfp4)}
 
 CT_VERSION = "0.20.1"  # the compressed-tensors release whose config schema this follows
 WRITABLE = ("FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16", "MXFP4")
@@ -41,18 +41,43 @@ def layout_of(preset: SchemePreset) -> str:
     raise QuantkitError(f"no compressed-tensors float layout stores --scheme {preset.name}'s weights")
 
 
-def quantize_weight(weight: torch.Tensor, preset: SchemePreset) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """(tensors to store, the float32 weight they dequantize to) for one linear's weight."""
+def quantize_weight(weight: torch.Tensor, preset: SchemePreset,
+                    global_scale: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(tensors to store, the float32 weight they dequantize to) for one linear's weight; `global_scale`
+    (NVFP4 only) overrides the weight's own, for linears a runtime fuses (`shared_global_scales`)."""
     layout = layout_of(preset)
     w = preset.weights
     if layout == ct_float_quantized.FORMAT:
         q = fp8.quantize(weight, w.strategy, w.block_size)
         return ct_float_quantized.pack(q), q.dequantize()
     if layout == ct_nvfp4.FORMAT:
-        q = nvfp4.quantize(weight)
+        q = nvfp4.quantize(weight, gscale=global_scale)
         return ct_nvfp4.pack(q), q.dequantize()
     q = mxfp4.quantize(weight)
     return ct_mxfp4.pack(q), q.dequantize()
+
+
+# Linears a runtime fuses into one matmul (vLLM's qkv_proj, gate_up_proj, DeepSeek's fused_qkv_a_proj, Mixtral's
+# w13): NVFP4 keeps one global scale per fused weight, so these siblings must share theirs (llm-compressor's
+# observers/helpers.FUSED_LAYER_NAMES; transformers' MoE loader and vLLM keep one of the values otherwise).
+FUSED_SIBLINGS = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"),
+                  ("w1", "w3"))
+
+
+def shared_global_scales(model: torch.nn.Module, quantized: set[str]) -> dict[str, torch.Tensor]:
+    """{linear name: NVFP4 global scale} for quantized linears with fused siblings: one scale from the absmax
+    over all of them (`nvfp4.global_scale`), so each keeps its group scales within E4M3's range."""
+    out = {}
+    for parent_name, parent in model.named_modules():
+        for group in FUSED_SIBLINGS:
+            names = [f"{parent_name}.{c}" if parent_name else c for c in group
+                     if isinstance(getattr(parent, c, None), torch.nn.Linear)]
+            names = [n for n in names if n in quantized]
+            if len(names) < 2:
+                continue
+            amax = torch.stack([model.get_submodule(n).weight.detach().float().abs().amax() for n in names])
+            out.update(dict.fromkeys(names, nvfp4.global_scale(amax)))
+    return out
 
 
 def _args_config(a: QuantArgs) -> dict:
@@ -78,40 +103,88 @@ def quantization_config(preset: SchemePreset, ignore: Iterable[str]) -> dict:
             "transform_config": {}}
 
 
+@contextlib.contextmanager
+def _experts_as_linears(model: torch.nn.Module):
+    """For the duration: every fused experts module of a transformers MoE model swapped for per-expert
+    `nn.Linear`s viewing the same weights (`models.experts.RoutedExperts`), named as checkpoints name them
+    (``mlp.experts.{e}.gate_proj``). Yields the family's adapter, None for an architecture without one."""
+    from quantkit.models import get_adapter
+    from quantkit.models.experts import RoutedExperts
+
+    try:
+        adapter = get_adapter(model)
+    except QuantkitError:
+        yield None
+        return
+    swapped = []
+    try:
+        for layer in adapter.decoder_layers(model):
+            for block in adapter.moe_blocks(layer):
+                parent_name, _, child = block.experts.rpartition(".")
+                parent = layer.get_submodule(parent_name) if parent_name else layer
+                fused = getattr(parent, child)
+                setattr(parent, child, RoutedExperts.from_fused(fused))
+                swapped.append((parent, child, fused))
+        yield adapter
+    finally:
+        for parent, child, fused in swapped:
+            setattr(parent, child, fused)
+
+
 def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
           ignore: Iterable[str] = DEFAULT_IGNORE) -> dict[str, torch.Tensor]:
     """Quantize every nn.Linear of a transformers model not matching `ignore` (regexes) and save it to `output`
     (a new folder; written in a staging folder beside it and renamed, so a failure leaves nothing behind).
+    MoE experts are quantized one linear per expert and projection (the names compressed-tensors and vLLM
+    read); routers and shared-expert gates stay in full precision, declared in the config's ignore list.
     Returns {module name: dequantized float32 weight}, what a reader should reconstruct."""
-    from safetensors.torch import save_file
-
     out = Path(output)
     if out.exists():
         raise QuantkitError(f"output folder {out} already exists; choose a new folder")
     layout_of(preset)
-    patterns = tuple(ignore)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    dequantized, skipped = {}, []
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear):
-            continue
-        if any(re.search(p, name) for p in patterns):
-            skipped.append(name)
-            continue
-        tensors, dequantized[name] = quantize_weight(module.weight.detach(), preset)
-        del state[f"{name}.weight"]
-        state.update({f"{name}.{suffix}": t for suffix, t in tensors.items()})
+    with _experts_as_linears(model) as adapter:
+        rename = adapter.checkpoint_name if adapter is not None else (lambda n: n)
+        full_precision = set(adapter.full_precision_modules(model)) if adapter is not None else set()
+        state, dequantized, skipped = _quantized_state(model, preset, tuple(ignore), full_precision)
+    state = {rename(k): v for k, v in state.items()}
     if not dequantized:
         raise QuantkitError("no linear layers left to quantize after the ignore list; loosen --ignore")
-    # tied parameters share storage; safetensors refuses shared tensors, so store independent copies
+    config = model.config.to_dict()
+    config["quantization_config"] = quantization_config(preset, sorted({rename(n) for n in skipped | full_precision}))
+    _save(out, state, config)
+    return dequantized
+
+
+def _quantized_state(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
+                     full_precision: set[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
+    """(the state dict with every quantized linear's weight replaced by its layout's tensors,
+    {module: dequantized weight}, the linears left in full precision)."""
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    skipped = {n for n in linears if n in full_precision or any(re.search(p, n) for p in patterns)}
+    shared = shared_global_scales(model, set(linears) - skipped) if layout_of(preset) == ct_nvfp4.FORMAT else {}
+    dequantized = {}
+    for name, module in linears.items():
+        if name in skipped:
+            continue
+        tensors, dequantized[name] = quantize_weight(module.weight.detach(), preset, shared.get(name))
+        del state[f"{name}.weight"]
+        state.update({f"{name}.{suffix}": t for suffix, t in tensors.items()})
+    # tied parameters and per-expert views share storage; safetensors refuses that, so store independent copies
     seen = set()
     for key, tensor in state.items():
         ptr = tensor.untyped_storage().data_ptr()
-        if ptr in seen:
+        if ptr in seen or tensor.numel() != tensor.untyped_storage().nbytes() // tensor.element_size():
             state[key] = tensor.clone()
         seen.add(ptr)
-    config = model.config.to_dict()
-    config["quantization_config"] = quantization_config(preset, skipped)
+        state[key] = state[key].contiguous()
+    return state, dequantized, skipped
+
+
+def _save(out: Path, state: dict[str, torch.Tensor], config: dict) -> None:
+    """model.safetensors + config.json, written in a staging folder beside `out` and renamed into place."""
+    from safetensors.torch import save_file
+
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -121,20 +194,6 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return dequantized
-
-
-def _args_from_config(d: dict) -> QuantArgs:
-    """compressed-tensors' QuantizationArgs schema -> QuantArgs (validated, so nonsense is one line)."""
-    scale_dtype = d.get("scale_dtype")
-    block = d.get("block_structure")
-    try:
-        return QuantArgs(kind=d["type"], bits=int(d["num_bits"]), strategy=d["strategy"],
-                         group_size=d.get("group_size"), block_size=tuple(block) if block else None,
-                         scale_dtype=str(scale_dtype).removeprefix("torch.") if scale_dtype else None,
-                         dynamic=d.get("dynamic", False), symmetric=d.get("symmetric", True))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise QuantkitError(f"unreadable weights entry in quantization_config ({exc}); re-export the checkpoint")
 
 
 def read_dequantized(folder: os.PathLike) -> dict[str, torch.Tensor]:
@@ -151,11 +210,11 @@ def read_dequantized(folder: os.PathLike) -> dict[str, torch.Tensor]:
     groups = list((qcfg.get("config_groups") or {}).values())
     if qcfg.get("quant_method") != "compressed-tensors" or len(groups) != 1:
         raise QuantkitError("only single-group compressed-tensors float checkpoints are read yet")
-    layout = _LAYOUTS.get(groups[0].get("format") or qcfg.get("format"))
+    layout = LAYOUTS.get(groups[0].get("format") or qcfg.get("format"))
     if layout is None:
         raise QuantkitError(f"format {qcfg.get('format')!r} is not a compressed-tensors float layout; "
-                            f"expected one of {', '.join(_LAYOUTS)}")
-    weights = _args_from_config(groups[0].get("weights") or {})
+                            f"expected one of {', '.join(LAYOUTS)}")
+    weights = args_from_config(groups[0].get("weights") or {})
     ok, reason = layout.can_store(weights)
     if not ok:
         raise QuantkitError(f"quantization_config disagrees with itself: {reason}")

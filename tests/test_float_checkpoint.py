@@ -71,6 +71,15 @@ def test_quantkit_reads_back_what_it_wrote(tmp_path, name):
         assert torch.equal(back[module_name], w), module_name
 
 
+def _fused_siblings(model, module_name):
+    """The weights that share module_name's NVFP4 global scale (llm-compressor's FUSED_LAYER_NAMES)."""
+    parent, _, child = module_name.rpartition(".")
+    for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+        if child in group:
+            return [model.get_submodule(f"{parent}.{c}").weight for c in group]
+    return [model.get_submodule(module_name).weight]
+
+
 @pytest.mark.parametrize("name", ["NVFP4A16", "MXFP4A16", "FP8_DYNAMIC", "FP8_BLOCK"])
 def test_quantkit_reads_a_checkpoint_compressed_tensors_wrote(tmp_path, name):
     """compressed-tensors writes (its apply_quantization_config + ModelCompressor, scales from its own
@@ -93,8 +102,10 @@ def test_quantkit_reads_a_checkpoint_compressed_tensors_wrote(tmp_path, name):
                 continue
             w = module.weight
             global_scale = None
-            if hasattr(module, "weight_global_scale"):
-                global_scale = generate_gparam(w.amin(), w.amax())
+            if hasattr(module, "weight_global_scale"):  # one over q/k/v and over gate/up, as llm-compressor fuses
+                fused = _fused_siblings(model, module_name)
+                global_scale = generate_gparam(torch.stack([x.amin() for x in fused]).amin(),
+                                               torch.stack([x.amax() for x in fused]).amax())
                 module.weight_global_scale.copy_(global_scale)
             if args.strategy in ("group", "tensor_group"):
                 g = w.reshape(w.shape[0], -1, args.group_size)

@@ -44,13 +44,14 @@ def check_grouped_shape(weight: torch.Tensor, group_size: int, name: str) -> Non
                             f"got shape {tuple(weight.shape)}; leave this layer unquantized (--ignore)")
 
 
-def quantize(weight: torch.Tensor) -> Nvfp4Weight:
-    """Round-to-nearest NVFP4 of a 2-D weight [N, K] (K a multiple of 16)."""
+def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None) -> Nvfp4Weight:
+    """Round-to-nearest NVFP4 of a 2-D weight [N, K] (K a multiple of 16), under `gscale` when given (an
+    activation's calibrated input_global_scale), else the weight's own `global_scale`."""
     check_grouped_shape(weight, GROUP_SIZE, "NVFP4")
     w = weight.to(torch.float32)
     n, k = w.shape
     groups = w.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-    gscale = global_scale(w)
+    gscale = global_scale(w) if gscale is None else gscale.to(device=w.device, dtype=torch.float32).reshape(1)
     # a tensor divisor on the weight's device: CUDA turns division by a Python number into a reciprocal multiply
     local = gscale * (groups.abs().amax(dim=-1) / torch.tensor(e2m1.MAX, device=w.device))
     scale = e4m3.to_e4m3(local).to(torch.float32)

@@ -40,6 +40,17 @@ def scale_shape(shape: tuple[int, int], strategy: str, block_size: Optional[tupl
     raise QuantkitError(f"{FORMAT} stores FP8 weights per tensor, channel or block, not {strategy!r}")
 
 
+def packed_shapes(shape: tuple[int, int], weights: QuantArgs) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{tensor suffix: (shape, dtype)} one [N, K] linear stores (what a loader allocates and checks)."""
+    return {"weight": (tuple(shape), torch.float8_e4m3fn),
+            "weight_scale": (scale_shape(shape, weights.strategy, weights.block_size), torch.float32)}
+
+
+def read(tensors: dict[str, torch.Tensor], shape: tuple[int, int], weights: QuantArgs) -> Fp8Weight:
+    """One [N, K] linear's weight from its tensors (checked), under the config's weights args."""
+    return unpack(tensors, shape, weights.strategy, weights.block_size)
+
+
 def pack(w: Fp8Weight) -> dict[str, torch.Tensor]:
     return {"weight": w.values.contiguous(), "weight_scale": w.scale.to(torch.float32).contiguous()}
 

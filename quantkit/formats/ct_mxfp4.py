@@ -29,6 +29,19 @@ def can_store(weights: QuantArgs) -> tuple[bool, str]:
     return True, ""
 
 
+def packed_shapes(shape: tuple[int, int], weights: QuantArgs) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{tensor suffix: (shape, dtype)} one [N, K] linear stores (what a loader allocates and checks)."""
+    n, k = shape
+    if k % GROUP_SIZE:
+        raise QuantkitError(f"{FORMAT} needs an input size that is a multiple of {GROUP_SIZE}, got {k}")
+    return {"weight_packed": ((n, k // 2), torch.uint8), "weight_scale": ((n, k // GROUP_SIZE), torch.uint8)}
+
+
+def read(tensors: dict[str, torch.Tensor], shape: tuple[int, int], weights: QuantArgs) -> Mxfp4Weight:
+    """One [N, K] linear's weight from its tensors (checked); `weights` is fixed by the layout."""
+    return unpack(tensors, shape)
+
+
 def pack(w: Mxfp4Weight) -> dict[str, torch.Tensor]:
     return {"weight_packed": fp4_nibbles.pack(w.codes), "weight_scale": w.scale_codes.contiguous()}
 

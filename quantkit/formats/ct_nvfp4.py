@@ -29,6 +29,20 @@ def can_store(weights: QuantArgs) -> tuple[bool, str]:
     return True, ""
 
 
+def packed_shapes(shape: tuple[int, int], weights: QuantArgs) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{tensor suffix: (shape, dtype)} one [N, K] linear stores (what a loader allocates and checks)."""
+    n, k = shape
+    if k % GROUP_SIZE:
+        raise QuantkitError(f"{FORMAT} needs an input size that is a multiple of {GROUP_SIZE}, got {k}")
+    return {"weight_packed": ((n, k // 2), torch.uint8), "weight_scale": ((n, k // GROUP_SIZE), torch.float8_e4m3fn),
+            "weight_global_scale": ((1,), torch.float32)}
+
+
+def read(tensors: dict[str, torch.Tensor], shape: tuple[int, int], weights: QuantArgs) -> Nvfp4Weight:
+    """One [N, K] linear's weight from its tensors (checked); `weights` is fixed by the layout."""
+    return unpack(tensors, shape)
+
+
 def pack(w: Nvfp4Weight) -> dict[str, torch.Tensor]:
     return {"weight_packed": fp4_nibbles.pack(w.codes), "weight_scale": w.group_scale.contiguous(),
             "weight_global_scale": w.global_scale.to(torch.float32).reshape(1)}

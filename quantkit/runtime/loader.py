@@ -204,6 +204,12 @@ def load_model(path: str, backend: str = "auto", device: Optional[str] = None, d
     if method not in QUANT_METHOD_TO_FORMAT:
         raise QuantkitError(f"{folder}/config.json: unknown quant_method {method!r}; quantkit reads "
                             f"{', '.join(QUANT_METHOD_TO_FORMAT)}")
+    from quantkit.formats.ct_float_layouts import is_float_config
+
+    if method == "compressed-tensors" and is_float_config(qcfg):  # FP8 / NVFP4 / MXFP4: runtime.float_loader
+        from quantkit.runtime.float_loader import load_float_model
+
+        return load_float_model(folder, qcfg, files, backend, device, dtype, trust_remote_code)
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 

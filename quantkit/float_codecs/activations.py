@@ -1,0 +1,60 @@
+"""Input-activation quantization of the float presets, as a runtime applies it before the matmul (fake-quantized:
+quantize, then dequantize, in float32).
+
+The rules are compressed-tensors 0.20.1's (`lifecycle.forward.forward_quantize` with
+`compute_dynamic_scales_and_zp`), which vLLM's kernels follow:
+    FP8 token (FP8_DYNAMIC)        per row of the flattened input: scale absmax/448, E4M3 codes
+    FP8 group (FP8_BLOCK's 1x128)  per run of `group_size` input features, the same rule
+    FP8 tensor, dynamic            one scale for the whole input; static (FP8): the checkpoint's input_scale
+    FP4 group 32, E8M0 (MXFP4)     MXFP4 of the input, groups along the features
+    FP4 tensor_group 16 (NVFP4)    NVFP4 of the input under the checkpoint's input_global_scale
+Each reuses the weight codec of the same grid (`fp8`, `mxfp4`, `nvfp4`), so activations and weights round alike.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.float_codecs import e4m3, fp8, mxfp4, nvfp4
+from quantkit.scheme_presets import QuantArgs
+
+
+def check_supported(args: QuantArgs) -> Optional[str]:
+    """The tensor this scheme needs from the checkpoint ("input_scale", "input_global_scale" or None), or
+    QuantkitError naming the activation scheme no rule above covers."""
+    key = (args.kind, args.bits, args.strategy, args.dynamic)
+    if key in (("float", 8, "token", True), ("float", 8, "group", True), ("float", 8, "tensor", True)):
+        return None
+    if key == ("float", 8, "tensor", False):
+        return "input_scale"
+    if key == ("float", 4, "group", True) and (args.group_size, args.scale_dtype) == (mxfp4.GROUP_SIZE, "uint8"):
+        return None
+    if key == ("float", 4, "tensor_group", "local") and args.group_size == nvfp4.GROUP_SIZE:
+        return "input_global_scale"
+    raise QuantkitError(f"input activations quantized as {args.kind} {args.bits}-bit {args.strategy} "
+                        f"(dynamic={args.dynamic}) are not run by quantkit's loader; it runs FP8 token/group/tensor, "
+                        "MXFP4 and NVFP4 activations")
+
+
+def fake_quantize(x: torch.Tensor, args: QuantArgs, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`x` [..., K] rounded onto the activation grid `args` and back (float32 math, returned in x's dtype);
+    `scale` is the checkpoint's input_scale (static FP8) or input_global_scale (NVFP4)."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).to(torch.float32)
+    if args.bits == 8 and args.strategy == "tensor":
+        s = scale.to(torch.float32).reshape(1) if scale is not None else fp8.quantize(rows, "tensor").scale
+        out = e4m3.to_e4m3(rows / s).to(torch.float32) * s
+    elif args.bits == 8 and args.strategy == "token":
+        out = fp8.quantize(rows, "channel").dequantize()
+    elif args.bits == 8 and args.strategy == "group":
+        g = args.group_size
+        if k % g:
+            raise QuantkitError(f"FP8 group activations need an input size that is a multiple of {g}, got {k}")
+        out = fp8.quantize(rows.reshape(-1, g), "channel").dequantize().reshape(rows.shape)
+    elif args.strategy == "group":
+        out = mxfp4.quantize(rows).dequantize()
+    else:
+        out = nvfp4.quantize(rows, gscale=scale).dequantize()
+    return out.reshape(x.shape).to(x.dtype)
