@@ -49,16 +49,38 @@ def row_scheme(row: dict[str, Any]) -> LinearScheme:
 
 
 def allocate(rows: list[dict[str, Any]], budget_bytes: int, what: str = "budget") -> dict[str, dict[str, Any]]:
-    """The row chosen per linear: least summed predicted KL with summed bytes <= budget_bytes."""
-    table = by_linear(rows)
-    names = list(table)
-    costs = [[r["bytes"] for r in table[n]] for n in names]
+    """The row chosen per linear: least summed predicted KL with summed bytes <= budget_bytes.
+
+    Linears that serving engines fuse (q/k/v, gate/up: quantkit.formats.fused_linears; vLLM serves a
+    fused layer at one scheme) are one knapsack item whose candidates are the schemes all members have."""
+    items = _share_one_scheme(by_linear(rows))
+    costs = [[sum(r["bytes"] for r in c) for c in item] for item in items]
     floor = knapsack.minimum_cost(costs)
     if budget_bytes < floor:
         raise QuantkitError(f"{what} is below the smallest possible: every linear at its smallest scheme takes "
                             f"{_describe(floor, rows)}; raise the target")
-    picks = knapsack.solve(costs, [[r["predicted_kl"] for r in table[n]] for n in names], budget_bytes)
-    return {n: table[n][j] for n, j in zip(names, picks)}
+    picks = knapsack.solve(costs, [[sum(r["predicted_kl"] for r in c) for c in item] for item in items], budget_bytes)
+    return {r["linear"]: r for item, j in zip(items, picks) for r in item[j]}
+
+
+def _share_one_scheme(table: dict[str, list[dict[str, Any]]]) -> list[list[list[dict[str, Any]]]]:
+    """Knapsack items: per item its candidates, each the rows (one per member linear) of one scheme."""
+    from quantkit.formats.fused_linears import fused_groups
+
+    grouped = {m: members for members in fused_groups(table).values() for m in members}
+    items, seen = [], set()
+    for name in table:
+        if name in seen:
+            continue
+        members = grouped.get(name, [name])
+        seen.update(members)
+        common = [r["scheme"] for r in table[members[0]]
+                  if all(any(o["scheme"] == r["scheme"] for o in table[m]) for m in members)]
+        if not common:  # no scheme the format stores for every member: each on its own
+            items += [[[r] for r in table[m]] for m in members]
+            continue
+        items.append([[next(o for o in table[m] if o["scheme"] == label) for m in members] for label in common])
+    return items
 
 
 def _describe(nbytes: int, rows) -> str:
@@ -66,14 +88,19 @@ def _describe(nbytes: int, rows) -> str:
     return f"{human_size(nbytes)} of packed weights, {8 * nbytes / weights:.3f} bits per weight"
 
 
-def summary(choice: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def summary(choice: dict[str, dict[str, Any]], mapping: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Size and predicted KL of a mixture: the sum of its linears' single KLs, read through the measured
+    interaction mapping when there is one (quantkit.allocation.interaction)."""
+    from quantkit.allocation import interaction
+
     nbytes = sum(r["bytes"] for r in choice.values())
     weights = sum(r["weights"] for r in choice.values())
     counts: dict[str, int] = {}
     for r in choice.values():
         counts[r["scheme"]] = counts.get(r["scheme"], 0) + 1
+    total = sum(r["predicted_kl"] for r in choice.values())
     return {"packed_bytes": nbytes, "bits_per_weight": round(8 * nbytes / weights, 4),
-            "predicted_kl": sum(r["predicted_kl"] for r in choice.values()), "schemes": counts}
+            "predicted_kl": interaction.predict(total, mapping), "predicted_kl_sum": total, "schemes": counts}
 
 
 def uniform(rows: list[dict[str, Any]], label: str) -> Optional[dict[str, dict[str, Any]]]:
@@ -83,7 +110,7 @@ def uniform(rows: list[dict[str, Any]], label: str) -> Optional[dict[str, dict[s
     return None if any(r is None for r in pick.values()) else pick
 
 
-def size_curve(rows: list[dict[str, Any]], points: int = 16) -> list[dict[str, Any]]:
+def size_curve(rows: list[dict[str, Any]], points: int = 16, mapping: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
     """Predicted KL of the best mixture at budgets from the smallest to the largest possible."""
     table = by_linear(rows)
     lo = sum(min(r["bytes"] for r in rs) for rs in table.values())
@@ -91,5 +118,5 @@ def size_curve(rows: list[dict[str, Any]], points: int = 16) -> list[dict[str, A
     out = []
     for i in range(points):
         budget = int(lo + (hi - lo) * i / (points - 1))
-        out.append(summary(allocate(rows, budget)))
+        out.append(summary(allocate(rows, budget), mapping))
     return out

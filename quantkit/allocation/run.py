@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from quantkit.allocation import mixture
+from quantkit.allocation import interaction, mixture
 from quantkit.allocation.budget import candidate_costs, fixed_bytes, human_size, parse_size
 from quantkit.allocation.sensitivity import CANDIDATE_BITS, candidates_for, measure, scheme_label
 from quantkit.errors import QuantkitError
@@ -31,8 +31,8 @@ def check_format_carries_mixture(format_name: str, gguf_type: Optional[str]) -> 
 
 def measure_report(hf_model, adapter, plan, schemes: dict, calibration_ids: torch.Tensor, eval_windows: torch.Tensor, *,
                    model_label: str, save_dtype: torch.dtype, batch_size: int = 4, sample: int = 8,
-                   measure_layers: bool = True, bits=CANDIDATE_BITS, seed: int = 0, info: Optional[dict] = None,
-                   progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+                   measure_layers: bool = True, measure_linears: bool = False, bits=CANDIDATE_BITS, seed: int = 0,
+                   info: Optional[dict] = None, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """The sensitivity report of a full-precision (fp32) model: one row per linear and candidate scheme."""
     from quantkit.formats import get_format
 
@@ -42,17 +42,30 @@ def measure_report(hf_model, adapter, plan, schemes: dict, calibration_ids: torc
                             "weight-only schemes")
     fmt = get_format(plan.format)
     shapes = {n: s for n, s in adapter.linear_shapes(hf_model).items() if n in schemes}
-    candidates = {n: candidates_for(s, bits) for n, s in schemes.items()}
+    # a candidate whose group size does not divide a linear's input width is not one of its candidates
+    candidates = {n: tuple(c for c in candidates_for(s, bits) if c.group_size == -1 or shapes[n][1] % c.group_size == 0)
+                  for n, s in schemes.items()}
+    for n, c in candidates.items():
+        if not c:
+            raise QuantkitError(f"{n}: no candidate's group size divides its input width {shapes[n][1]}; "
+                                "add a candidate with a group size that does (or per channel, e.g. w4pc)")
     costs = candidate_costs(fmt, plan.recipe, shapes, candidates)
     candidates = {n: tuple(s for s in c if s in costs[n]) for n, c in candidates.items()}
     prefix = adapter.layers_prefix(hf_model)
     measured = measure(hf_model, adapter, candidates, plan.recipe.quantizer, calibration_ids, eval_windows,
-                       batch_size=batch_size, sample=sample, measure_layers=measure_layers, seed=seed,
-                       progress=progress)
+                       batch_size=batch_size, sample=sample, measure_layers=measure_layers,
+                       measure_linears=measure_linears, seed=seed, progress=progress)
     labelled = {n: {scheme_label(s): b for s, b in c.items()} for n, c in costs.items()}
     rows = mixture.table_rows(measured, labelled, candidates, shapes, prefix)
     uniforms = {label: mixture.summary(u) for label in measured["labels"]
                 if (u := mixture.uniform(rows, label)) is not None}
+    fit_points = [{"scheme": label, "predicted_kl_sum": u["predicted_kl_sum"], "measured_kl": measured["whole_kl"][label]}
+                  for label, u in uniforms.items() if label in measured["whole_kl"]]
+    mapping = interaction.fit([(p["predicted_kl_sum"], p["measured_kl"]) for p in fit_points])
+    for label, u in uniforms.items():
+        uniforms[label] = {**mixture.summary(mixture.uniform(rows, label), mapping),
+                           "measured_kl": measured["whole_kl"].get(label)}
+    checks = mixture_checks(rows, uniforms, mapping, measured["kl_of_mixture"], progress)
     layers = [{"layer": i, "scheme": label, "measured_kl": kl,
                "predicted_kl": sum(r["predicted_kl"] for r in rows if r["layer"] == i and r["scheme"] == label)}
               for (i, label), kl in sorted(measured["layer_kl"].items(), key=lambda kv: (kv[0][0] or 0, kv[0][1]))]
@@ -62,7 +75,28 @@ def measure_report(hf_model, adapter, plan, schemes: dict, calibration_ids: torc
             "measured_forwards": measured["forwards"], "seconds": measured["seconds"],
             "fixed_bytes": fixed_bytes(hf_model, set(schemes), save_dtype),
             "proxy_check": measured["check"], "layers": layers, "uniform": uniforms,
-            "curve": mixture.size_curve(rows), "rows": rows}
+            "interaction": {"fit": fit_points, "mapping": mapping, "check": checks},
+            "curve": mixture.size_curve(rows, mapping=mapping), "rows": rows}
+
+
+def mixture_checks(rows, uniforms, mapping, kl_of_mixture, progress, most: int = 3) -> list[dict[str, Any]]:
+    """Out-of-sample check of the predicted KL: the best mixtures at budgets halfway between consecutive
+    uniform schemes' sizes (mixtures the interaction mapping was not fitted on), measured whole."""
+    sizes = sorted({u["packed_bytes"] for u in uniforms.values()})
+    budgets = [(a + b) // 2 for a, b in zip(sizes, sizes[1:])]
+    if len(budgets) > most:  # spread over the range
+        budgets = [budgets[round(i * (len(budgets) - 1) / (most - 1))] for i in range(most)]
+    out = []
+    for budget in budgets:
+        choice = mixture.allocate(rows, budget)
+        s = mixture.summary(choice, mapping)
+        progress(f"mixture check at {s['bits_per_weight']:.3f} bits per weight")
+        measured_kl = kl_of_mixture({n: r["scheme"] for n, r in choice.items()})
+        out.append({"bits_per_weight": s["bits_per_weight"], "schemes": s["schemes"],
+                    "predicted_kl_sum": s["predicted_kl_sum"], "predicted_kl": s["predicted_kl"],
+                    "measured_kl": measured_kl,
+                    "predicted_over_measured": s["predicted_kl"] / measured_kl if measured_kl > 0 else None})
+    return out
 
 
 def read_report(path) -> dict[str, Any]:
@@ -131,12 +165,11 @@ def choose_mixture(report: dict[str, Any], plan, schemes: dict, *, target_bits: 
                                 f"({floor + report['fixed_bytes']} bytes: every linear at its smallest scheme); "
                                 "raise the target")
     choice = mixture.allocate(rows, budget, what)
+    # each linear gets its chosen scheme as an override (bits, group size and symmetry), so a report's
+    # candidates may differ from the run's own group size (w4g128 beside w4g32)
     chosen = {n: mixture.row_scheme(r) for n, r in choice.items()}
-    for n, s in chosen.items():
-        if s.group_size != schemes[n].group_size or s.sym != schemes[n].sym:
-            raise QuantkitError(f"the sensitivity report's scheme for {n} ({scheme_label(s)}) has another group size or "
-                                "symmetry than this run's; measure again with the same --group-size/--sym")
-    return chosen, {"target": target, **mixture.summary(choice),
+    mapping = (report.get("interaction") or {}).get("mapping")
+    return chosen, {"target": target, **mixture.summary(choice, mapping),
                     "choice": {n: r["scheme"] for n, r in choice.items()}}
 
 
@@ -147,7 +180,8 @@ EVAL_SEQ_LEN = 512
 def sensitivity_of_model(model: str, plan, *, calibration: Optional[dict] = None, trust_remote_code: bool = False,
                          eval_dataset=None,
                          eval_windows: int = EVAL_WINDOWS, eval_seq_len: int = EVAL_SEQ_LEN, sample: int = 8,
-                         measure_layers: bool = True, bits=CANDIDATE_BITS, batch_size: int = 4,
+                         measure_layers: bool = True, measure_linears: bool = True, bits=CANDIDATE_BITS,
+                         batch_size: int = 4,
                          progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Load `model` in fp32 and measure its report for `plan` (the calibration set is the plan's, or the
     default one for a method that reads none, with the keys of `calibration` over it; KL is scored on the held-out split of `eval_dataset`,
@@ -155,7 +189,6 @@ def sensitivity_of_model(model: str, plan, *, calibration: Optional[dict] = None
     from quantkit import data
     from quantkit.models import get_adapter
     from quantkit.plan import CALIBRATION_DEFAULTS
-    from quantkit.scoring import windows_of
     from quantkit.sources import load_source_model, source_dtype
 
     for what, value in (("--eval-windows", eval_windows), ("--eval-seq-len", eval_seq_len)):
@@ -163,7 +196,7 @@ def sensitivity_of_model(model: str, plan, *, calibration: Optional[dict] = None
             raise QuantkitError(f"{what} must be a positive integer (a sequence length at least 2), got {value!r}")
     if isinstance(sample, bool) or not isinstance(sample, int) or sample < 0:
         raise QuantkitError(f"--sample must be a non-negative integer, got {sample!r}")
-    if not measure_layers and sample == 0:
+    if not measure_linears and not measure_layers and sample == 0:
         raise QuantkitError("nothing would be measured to calibrate the proxy: keep --measure-layers or give --sample")
     hf_model, tokenizer, base_name, _ = load_source_model(model, dtype=torch.float32,
                                                           trust_remote_code=trust_remote_code, streaming=False)
@@ -178,14 +211,32 @@ def sensitivity_of_model(model: str, plan, *, calibration: Optional[dict] = None
                                    seed=cal["seed"], chat_template=bool(c and c.chat_template))
     eval_set = eval_dataset if eval_dataset is not None else (
         cal["dataset"] if isinstance(cal["dataset"], (str, Path)) else CALIBRATION_DEFAULTS["dataset"])
-    windows = windows_of(data.eval_token_stream(eval_set, tokenizer), eval_seq_len, eval_windows)
+    windows = held_out_windows(eval_set, tokenizer, eval_seq_len, eval_windows)
     info = {"calibration": {**{k: str(v) if k == "dataset" else v for k, v in cal.items()}},
             "eval": {"dataset": str(eval_set), "windows": int(windows.shape[0]), "seq_len": eval_seq_len},
             "sample": sample, "candidate_bits": list(bits)}
     with torch.no_grad():
         return measure_report(hf_model, adapter, plan, schemes, ids, windows, model_label=base_name,
                               save_dtype=save_dtype, batch_size=batch_size, sample=sample,
-                              measure_layers=measure_layers, bits=bits, info=info, progress=progress)
+                              measure_layers=measure_layers, measure_linears=measure_linears, bits=bits,
+                              info=info, progress=progress)
+
+
+def held_out_windows(eval_set, tokenizer, seq_len: int, count: int) -> torch.Tensor:
+    """`count` windows of `seq_len` tokens from the END of each held-out text (`eval_set`: one dataset, or
+    several as a list or comma-separated names, e.g. "lee,wiki"): the end, so that scoring which reads
+    from the start (`quantkit evaluate`, the allocation bench) checks predictions on other text."""
+    from quantkit import data
+    from quantkit.scoring import windows_of
+
+    sets = ([x.strip() for x in eval_set.split(",") if x.strip()] if isinstance(eval_set, str) and "," in eval_set
+            else list(eval_set) if isinstance(eval_set, (list, tuple)) else [eval_set])
+    out = []
+    for one in sets:
+        stream = data.eval_token_stream(one, tokenizer)
+        n = min(count, stream.numel() // seq_len)
+        out.append(windows_of(stream[stream.numel() - n * seq_len:] if n else stream, seq_len, count))
+    return torch.cat(out)
 
 
 def allocate_plan(model, plan, schemes: dict, *, target_bits=None, target_size=None, sensitivity=None,

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.scheme import LinearScheme
+from quantkit.scheme import LinearScheme, check_bits, check_group_size_value
 
 CANDIDATE_BITS = (2, 3, 4, 8)
 
@@ -40,9 +40,29 @@ def scheme_label(s: LinearScheme) -> str:
     return f"w{s.bits}" + ("pc" if s.group_size == -1 else f"g{s.group_size}") + ("" if s.sym else "a")
 
 
+def parse_candidate(candidate, base: LinearScheme) -> LinearScheme:
+    """One candidate: a bit width (the linear's own group size and symmetry at it) or a scheme label
+    such as w4g128, w8pc or w3g64a (a trailing a: asymmetric; else the linear's symmetry)."""
+    if isinstance(candidate, int) and not isinstance(candidate, bool):
+        return replace(base, bits=candidate)
+    m = re.fullmatch(r"w(\d+)(?:g(\d+)|(pc))?(a?)", str(candidate).strip().lower())
+    if m is None:
+        raise QuantkitError(f"candidate scheme {candidate!r}: give a bit width (4) or a label such as w4g128, w8pc "
+                            "or w3g64a (a: asymmetric)")
+    group = -1 if m.group(3) else int(m.group(2)) if m.group(2) else base.group_size
+    check_bits(int(m.group(1)))
+    check_group_size_value(group)
+    return replace(base, bits=int(m.group(1)), group_size=group, sym=base.sym and not m.group(4))
+
+
 def candidates_for(base: LinearScheme, bits=CANDIDATE_BITS) -> tuple[LinearScheme, ...]:
-    """The candidate schemes of a linear: its resolved scheme at each candidate bit width."""
-    return tuple(replace(base, bits=b) for b in bits)
+    """The candidate schemes of a linear: `bits` entries are bit widths or scheme labels (parse_candidate)."""
+    out = []
+    for c in bits:
+        s = parse_candidate(c, base)
+        if s not in out:
+            out.append(s)
+    return tuple(out)
 
 
 def layer_of(name: str, layers_prefix: str) -> Optional[int]:
@@ -134,7 +154,7 @@ class KLMeter:
         self.states = [[h for h, _ in inputs]]  # states[i]: per batch, the hidden states entering layer i
         for layer in self.layers:
             self.states.append([layer_output(layer(h, **kw)) for h, kw in zip(self.states[-1], self.kwargs)])
-        self.base_logp = None
+        self.base_logp = [self._logp(h) for h in self.states[-1]]  # the full-precision side, computed once
 
     def _logp(self, hidden: torch.Tensor) -> torch.Tensor:
         for m in self.post:
@@ -169,7 +189,7 @@ class KLMeter:
                 modules[n].weight.data = w
         total, count = 0.0, 0
         for b, h in enumerate(finals):
-            base = self._logp(self.states[-1][b])
+            base = self.base_logp[b]
             ours = self._logp(h)
             kl = (base.exp() * (base - ours)).sum(-1)
             total, count = total + float(kl.double().sum()), count + kl.numel()
@@ -178,16 +198,26 @@ class KLMeter:
 
 def measure(model: nn.Module, adapter, candidates: dict[str, tuple[LinearScheme, ...]], quantizer,
             calibration_ids: torch.Tensor, eval_windows: torch.Tensor, *, batch_size: int = 4, sample: int = 8,
-            measure_layers: bool = True, seed: int = 0,
+            measure_layers: bool = True, measure_linears: bool = False, seed: int = 0,
             progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """The sensitivity table of `model` (fp32, in memory): proxies, measurements, predictions, the check."""
+    """The sensitivity table of `model` (fp32, in memory): proxies, measurements, predictions, the check.
+
+    `measure_linears`: every (linear, scheme) measured alone and its measured KL is the prediction
+    (calibration "linear"; no proxy mapping, no layer or sample runs). Always measured: the whole model
+    at every uniform scheme (`whole_kl`, the points of the interaction mapping). The returned
+    `kl_of_mixture` scores any {linear: scheme label} on the same windows (the mixture check)."""
     t0 = time.perf_counter()
     layers_prefix = adapter.layers_prefix(model)
     names = list(candidates)
     hessians, owner = capture_hessians(model, names, calibration_ids, batch_size, progress)
     modules = dict(model.named_modules())
-    labels = sorted({scheme_label(s) for c in candidates.values() for s in c},
-                    key=lambda l: [s for c in candidates.values() for s in c if scheme_label(s) == l][0].bits)
+    first_of = {}
+    for c in candidates.values():
+        for s in c:
+            first_of.setdefault(scheme_label(s), s)
+    # by bits, then larger groups first (per channel last), for the tables and pictures
+    labels = sorted(first_of, key=lambda l: (first_of[l].bits, first_of[l].group_size == -1,
+                                             -first_of[l].group_size))
     approx: dict[tuple[str, str], torch.Tensor] = {}
     proxy: dict[tuple[str, str], float] = {}
     groups: dict[str, list[str]] = {}
@@ -216,6 +246,18 @@ def measure(model: nn.Module, adapter, candidates: dict[str, tuple[LinearScheme,
     for n in names:
         by_layer.setdefault(layer_of(n, layers_prefix), []).append(n)
     layer_kl: dict[tuple[int, str], float] = {}
+    measured: dict[tuple[str, str], float] = {}
+    if measure_linears:
+        measure_layers, sample = False, 0
+        for i, n in enumerate(names):
+            progress(f"linear {i + 1}/{len(names)} {n} at {len(candidates[n])} schemes")
+            for s in candidates[n]:
+                measured[(n, scheme_label(s))] = meter.kl_with({n: approx[(n, scheme_label(s))]})
+    whole_kl = {}
+    for label in labels:
+        if all((n, label) in approx for n in names):
+            progress(f"whole model at {label}")
+            whole_kl[label] = meter.kl_with({n: approx[(n, label)] for n in names})
     if measure_layers:
         for index, members in sorted(by_layer.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
             for label in labels:
@@ -224,17 +266,24 @@ def measure(model: nn.Module, adapter, candidates: dict[str, tuple[LinearScheme,
                     layer_kl[(index, label)] = meter.kl_with({n: approx[(n, label)] for n in members})
     rng = random.Random(seed)
     sampled = sorted(rng.sample(names, min(sample, len(names))), key=names.index)
-    measured: dict[tuple[str, str], float] = {}
     for n in sampled:
         for s in candidates[n]:
             progress(f"linear {n} at {scheme_label(s)}")
             measured[(n, scheme_label(s))] = meter.kl_with({n: approx[(n, scheme_label(s))]})
-    factors, mode = _calibrate(proxy, by_layer, layer_kl, measured, labels)
-    predicted = {(n, l): proxy[(n, l)] * factors[(layer_of(n, layers_prefix), l)]
-                 for (n, l) in proxy}
+    if measure_linears:
+        factors, mode, predicted = {}, "linear", dict(measured)
+    else:
+        factors, mode = _calibrate(proxy, by_layer, layer_kl, measured, labels)
+        predicted = {(n, l): proxy[(n, l)] * factors[(layer_of(n, layers_prefix), l)]
+                     for (n, l) in proxy}
+
+    def kl_of_mixture(choice: dict[str, str]) -> float:
+        return meter.kl_with({n: approx[(n, label)] for n, label in choice.items()})
+
     return {"proxy": proxy, "predicted": predicted, "measured": measured, "layer_kl": layer_kl,
+            "whole_kl": whole_kl, "kl_of_mixture": kl_of_mixture,
             "calibration_mode": mode, "factors": factors, "labels": labels, "by_layer": by_layer,
-            "check": proxy_check(measured, predicted, proxy, in_sample=mode == "scheme"),
+            "check": proxy_check(measured, predicted, proxy, in_sample=mode in ("scheme", "linear")),
             "forwards": meter.forwards, "seconds": round(time.perf_counter() - t0, 1)}
 
 
