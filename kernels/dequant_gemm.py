@@ -24,6 +24,11 @@ kernel only ever sees contiguous groups (no per-element scale gather on the hot 
 Autotuning: on GPU a small config set keyed on ``(M_BUCKET, N, K, BITS)`` with ``M_BUCKET`` = M rounded
 up to a power of two. Under ``TRITON_INTERPRET=1`` a single fixed config is used, because the
 autotuner needs a GPU to time configs; ``QUANTKIT_TRITON_AUTOTUNE=0`` takes one fixed GPU config too.
+
+Configs chosen ahead of time (issue #49): :func:`pin_config` fixes the config of one call shape
+(at load or warm-up), and the config the autotuner picks for a shape is pinned the same way after
+its first call, so every later call of that shape, and a CUDA graph captured after the warm-up,
+launches the kernel directly: no autotuner lookup, never a timing run at call time.
 """
 from __future__ import annotations
 
@@ -236,6 +241,51 @@ if HAS_TRITON:
         )
 
 
+# (path, M_BUCKET, N, K, BITS, GROUP_SIZE, zeros?, x dtype, scales dtype) -> launch config (block sizes,
+# num_warps, num_stages): set by pin_config or after the autotuner's first call of a shape
+_PINNED: dict[tuple, dict] = {}
+
+
+def config_key(m: int, n: int, k: int, bits: int, group_size: int, has_zeros: bool, x_dtype: torch.dtype,
+               scales_dtype: torch.dtype) -> tuple:
+    """The shape a pinned config is for: the GEMM path M takes (split-K up to SMALL_M_MAX rows,
+    tiled above), M's autotune bucket, N, K, bits, group size (K when per-channel), zeros, dtypes."""
+    path = "splitk" if m <= SMALL_M_MAX else "tiled"
+    return (path, _m_bucket(m), n, k, bits, group_size, bool(has_zeros), x_dtype, scales_dtype)
+
+
+def pin_config(key: tuple, config: dict) -> None:
+    """Launch every later :func:`dequant_gemm` call of shape ``key`` (:func:`config_key`) with
+    ``config``: ``BLOCK_N``, ``BLOCK_K``, ``SPLIT_K`` for the split-K path; ``BLOCK_M``,
+    ``BLOCK_N``, ``BLOCK_K`` (``GROUP_M``) for the tiled one; optionally ``num_warps`` / ``num_stages``."""
+    need = ("BLOCK_N", "BLOCK_K", "SPLIT_K") if key[0] == "splitk" else ("BLOCK_M", "BLOCK_N", "BLOCK_K")
+    missing = [name for name in need if name not in config]
+    if missing:
+        raise ValueError(f"a {key[0]} config needs {', '.join(need)}; missing {', '.join(missing)}")
+    _PINNED[key] = dict(config)
+
+
+def pinned_configs() -> dict[tuple, dict]:
+    """A copy of the pinned configs (those set by :func:`pin_config` and those the autotuner chose)."""
+    return {key: dict(cfg) for key, cfg in _PINNED.items()}
+
+
+def clear_pinned_configs() -> None:
+    _PINNED.clear()
+
+
+def _pin_autotuned(key: tuple, tuner) -> None:
+    """Pin the config the autotuner just chose for ``key`` (Triton's ``Autotuner.best_config``)."""
+    best = getattr(tuner, "best_config", None)
+    if best is None:
+        return
+    cfg = dict(best.kwargs)
+    for attr in ("num_warps", "num_stages"):
+        if getattr(best, attr, None) is not None:
+            cfg[attr] = getattr(best, attr)
+    _PINNED[key] = cfg
+
+
 def _resolve_group_size(group_size: Optional[int], k: int) -> int:
     if group_size is None or group_size <= 0 or group_size == k:
         return k
@@ -344,6 +394,9 @@ def dequant_gemm(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
     )
     M_BUCKET = _m_bucket(m)
+    key = config_key(m, n, k, bits, gs, qzeros is not None, x.dtype, scales.dtype)
+    if config is None:
+        config = _PINNED.get(key)
 
     if m <= SMALL_M_MAX:
         # M == 1: pure GEMV (tl.sum). 2..16: tl.dot on rows padded to 16 - a [BLOCK_M, BLOCK_K,
@@ -362,6 +415,7 @@ def dequant_gemm(
         else:
             grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
             _splitk_tuned[grid](*call_args, BLOCK_M=block_m, **common)
+            _pin_autotuned(key, _splitk_tuned)
         y = out if x.dtype == torch.float32 else out.to(x.dtype)
     else:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -378,4 +432,5 @@ def dequant_gemm(
         else:
             grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
             _tiled_tuned[grid](*call_args, **common)
+            _pin_autotuned(key, _tiled_tuned)
     return y.reshape(*lead, n)

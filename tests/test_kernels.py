@@ -412,3 +412,39 @@ def test_kernels_compile_for_sm90_without_gpu(tmp_path):
     if r.returncode != 0 and "ptxas" in r.stderr and "not found" in r.stderr.lower():
         pytest.skip("triton's ptxas is not available here")
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+def test_pinned_config_is_what_the_kernel_launches_with(kernels_active, monkeypatch):
+    """dequant_gemm.pin_config (issue #49: configs chosen at load / warm-up, nothing tuned at call
+    time): a call of the pinned shape launches the kernel with the pinned block sizes, others keep
+    the fixed config; the result equals the reference either way."""
+    launches = []
+
+    class Recording:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid, {k: kwargs[k] for k in ("BLOCK_N", "BLOCK_K", "SPLIT_K")}))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(DG, "_dequant_splitk_kernel", Recording(DG._dequant_splitk_kernel))
+    monkeypatch.setattr(DG, "_PINNED", {})
+    t = _make_gptq(128, 96, 4, 32, False, False, seed=11)
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    qweight, scales, qzeros = t["qweight"].to(DEVICE), t["scales"].float().to(DEVICE), t["qzeros"].to(DEVICE)
+    key = DG.config_key(1, 96, 128, 4, 32, True, torch.float32, torch.float32)
+    assert key != DG.config_key(2, 96, 128, 4, 32, True, torch.float32, torch.float32)
+    DG.pin_config(key, dict(BLOCK_N=64, BLOCK_K=32, SPLIT_K=1))
+    assert DG.pinned_configs() == {key: dict(BLOCK_N=64, BLOCK_K=32, SPLIT_K=1)}
+    want = R.w4a16_reference(x, qweight, scales, qzeros, None, 4, 32)
+    torch.testing.assert_close(DG.dequant_gemm(x, qweight, scales, qzeros, None, 4, 32), want, atol=1e-4, rtol=1e-4)
+    assert launches[-1] == ((2, 1), dict(BLOCK_N=64, BLOCK_K=32, SPLIT_K=1))  # cdiv(96, 64) x 1
+    torch.testing.assert_close(DG.dequant_gemm(x.expand(2, 128).contiguous(), qweight, scales, qzeros, None, 4, 32),
+                               want.expand(2, 96), atol=1e-4, rtol=1e-4)
+    fixed = DG._FIXED_SPLITK_CONFIG
+    assert launches[-1][1] == {k: fixed[k] for k in ("BLOCK_N", "BLOCK_K", "SPLIT_K")}  # M = 2: not pinned
+    with pytest.raises(ValueError, match="SPLIT_K"):
+        DG.pin_config(key, dict(BLOCK_N=64, BLOCK_K=32))
