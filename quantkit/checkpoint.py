@@ -301,7 +301,7 @@ def _notice_vllm_refusal(format_name: str, specs: dict[str, LinearSpec]) -> None
     from quantkit.formats.loaders import VLLM, vllm_refusal
     from quantkit.notices import notice
 
-    refusal = vllm_refusal(format_name, specs.values()) if format_name != "gguf" else None
+    refusal = vllm_refusal(format_name, specs) if format_name != "gguf" else None
     if refusal:
         notice(f"quantkit: {VLLM} will not load this checkpoint: {refusal}")
 
@@ -365,5 +365,5 @@ def model_card(base_model: str, format_name: str, method: dict[str, Any], qcfg: 
             lines.append(f"- {k}: `{v}`")
     lines += ["", "## Use", "", "```python", "import quantkit", "model = quantkit.load(\"PATH\")", "```", "",
               "Other loaders, as quantkit's support matrix (docs/support-matrix.md) found them for this layout:", ""]
-    lines += [f"- {line}" for line in loaders_checked(format_name, specs.values())] + [""]
+    lines += [f"- {line}" for line in loaders_checked(format_name, specs)] + [""]
     return "\n".join(front + lines)

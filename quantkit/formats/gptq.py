@@ -151,12 +151,17 @@ def quantization_config(spec_by_module: dict[str, LinearSpec], ignore: list[str]
     if act_order == "none":  # static groups without act-order: GPTQModel's meaning of the key, as given
         keys["static_groups"] = bool(extra.get("static_groups", False))
     dynamic = dict(extra.pop("dynamic", None) or {})
+    skipped = [n for n in ignore if not _is_lm_head(n) and n not in spec_by_module]
+    grouped = _fused_rules(spec_by_module, skipped, base)
+    in_group = {m for members in grouped.values() for m in members}
+    for pattern, members in grouped.items():
+        spec = spec_by_module.get(members[0])
+        dynamic[pattern] = {} if spec is None else _override_keys(spec)
     for name, spec in spec_by_module.items():
-        if spec.scheme() != base:
-            dynamic[f"+:^{re.escape(name)}$"] = {"bits": spec.bits, "group_size": spec.group_size,
-                                                 "sym": spec.sym, **_act_order_keys(spec.act_order)}
-    for name in ignore:
-        if not _is_lm_head(name) and name not in spec_by_module:
+        if spec.scheme() != base and name not in in_group:
+            dynamic[f"+:^{re.escape(name)}$"] = _override_keys(spec)
+    for name in skipped:
+        if name not in in_group:
             dynamic[f"-:^{re.escape(name)}$"] = {}
     cfg = {**_DEFAULTS, **extra}
     cfg.update(quant_method="gptq", bits=bits, group_size=group_size, sym=sym, checkpoint_format="gptq",
@@ -164,6 +169,29 @@ def quantization_config(spec_by_module: dict[str, LinearSpec], ignore: list[str]
     if dynamic:
         cfg["dynamic"] = dynamic
     return cfg
+
+
+def _override_keys(spec: LinearSpec) -> dict:
+    return {"bits": spec.bits, "group_size": spec.group_size, "sym": spec.sym, **_act_order_keys(spec.act_order)}
+
+
+def _fused_rules(spec_by_module: dict[str, LinearSpec], skipped: list[str], base: tuple) -> dict[str, list[str]]:
+    """One rule per group of linears vLLM fuses (q/k/v, gate/up) that is all overridden to one scheme or all
+    skipped: `{"+:^parent\\.(?:q_proj|k_proj|v_proj|qkv_proj)$": members}` ("-:" for skipped), so the
+    rule matches the checkpoint's names (quantkit, GPTQModel) and vLLM's fused one. A group whose
+    members differ is left to per-module rules (vLLM cannot serve it: quantkit.formats.loaders)."""
+    from quantkit.formats.fused_linears import fused_groups
+
+    rules = {}
+    for fused, members in fused_groups([*spec_by_module, *skipped]).items():
+        schemes = {spec_by_module[m].scheme() if m in spec_by_module else None for m in members}
+        if len(schemes) != 1 or schemes == {base}:
+            continue
+        parent = fused.rpartition(".")[0]
+        leaves = "|".join(re.escape(m.rpartition(".")[2]) for m in [*members, fused])
+        prefix = f"{re.escape(parent)}\\." if parent else ""
+        rules[f"{'-' if schemes == {None} else '+'}:^{prefix}(?:{leaves})$"] = members
+    return rules
 
 
 def _is_lm_head(name: str) -> bool:

@@ -12,7 +12,7 @@ table is updated).
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional, Union
 
 from quantkit.formats.spec import LinearSpec
 
@@ -21,9 +21,11 @@ VLLM = f"vLLM {VLLM_VERSION} (CPU build)"
 TRANSFORMERS = "transformers 5.25 + compressed-tensors 0.20"
 
 
-def vllm_refusal(fmt: str, specs: Iterable[LinearSpec]) -> Optional[str]:
-    """Why vLLM refuses a dense checkpoint of these layers, or None when it serves it (tests/test_vllm.py)."""
-    specs = list(specs)
+def vllm_refusal(fmt: str, specs: Union[Iterable[LinearSpec], Mapping[str, LinearSpec]]) -> Optional[str]:
+    """Why vLLM refuses a dense checkpoint of these layers, or None when it serves it (tests/test_vllm.py).
+    Given {module name: spec}, the groups vLLM fuses (q/k/v, gate/up) are checked to share one scheme."""
+    by_name = dict(specs) if isinstance(specs, Mapping) else {}
+    specs = list(by_name.values()) if isinstance(specs, Mapping) else list(specs)
     if fmt == "gptq":
         for s in specs:
             if (s.bits, s.sym) not in ((4, True), (8, True)):
@@ -41,8 +43,22 @@ def vllm_refusal(fmt: str, specs: Iterable[LinearSpec]) -> Optional[str]:
             return ("vLLM's CPU build has no 8-bit weight-only kernel (its kernels refuse quant type "
                     "\"uint8b128\"; the CPU WNA16 kernel takes 4-bit only); its GPU kernels (Marlin) take it, "
                     "not checked here")
-        return None
+        return _fused_group_split(fmt, by_name)
     return f"vLLM does not serve the {fmt} layout from a folder"
+
+
+def _fused_group_split(fmt: str, by_name: Mapping[str, LinearSpec]) -> Optional[str]:
+    """vLLM loads q/k/v (gate/up) as one fused layer of one scheme (quantkit.formats.fused_linears)."""
+    from quantkit.formats.fused_linears import fused_groups
+
+    for fused, members in fused_groups(by_name).items():
+        if len({by_name[m].scheme() for m in members}) > 1:
+            words = ("\"AssertionError\": its fused layer's tensors are shaped for one scheme" if fmt == "gptq" else
+                     "its fused layer takes one config group")
+            return (f"vLLM fuses {', '.join(m.rpartition('.')[2] for m in members)} into {fused.rpartition('.')[2]}, "
+                    f"one layer of one scheme, but {fused.rpartition('.')[0]} stores them at different schemes "
+                    f"({words}); keep each group at one scheme")
+    return None
 
 
 def transformers_status(fmt: str, specs: Iterable[LinearSpec]) -> str:
@@ -64,13 +80,13 @@ def transformers_status(fmt: str, specs: Iterable[LinearSpec]) -> str:
     return "transformers: not checked"
 
 
-def loaders_checked(fmt: str, specs: Iterable[LinearSpec]) -> list[str]:
+def loaders_checked(fmt: str, specs: Union[Iterable[LinearSpec], Mapping[str, LinearSpec]]) -> list[str]:
     """One line per loader for the model card: checked (and how), refused (and why), or not checked."""
-    specs = list(specs)
+    refusal = vllm_refusal(fmt, specs)
+    specs = list(specs.values()) if isinstance(specs, Mapping) else list(specs)
     if fmt == "gguf":
         return ["llama.cpp (gguf): the file's blocks are decoded by the `gguf` package and, where "
                 "llama-cpp-python is installed, llama.cpp's own logits (tests/test_gguf.py)"]
-    refusal = vllm_refusal(fmt, specs)
     lines = [f"{VLLM}: " + (f"refuses it: {refusal}" if refusal else
                             "loads the folder unmodified; prompt log-probs checked against quantkit's "
                             "loader (tests/test_vllm.py)"),
