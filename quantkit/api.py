@@ -522,7 +522,7 @@ def _linear_schemes(plan, hf_model, adapter) -> dict:
     shapes = adapter.linear_shapes(hf_model)
     schemes = plan.scheme.resolve(shapes)
     if plan.gguf_type is not None:  # each linear on the grid of the type llama-quantize would give it
-        from quantkit.gguf_export import linear_schemes
+        from quantkit.formats.gguf.export import linear_schemes
 
         schemes = linear_schemes(hf_model, plan.gguf_type, schemes, calibrated=plan.recipe.needs_calibration)
         if not schemes:
@@ -657,7 +657,7 @@ def _summary(output: Path, plan, schemes: dict, layer_source, cal_batch, t0: flo
 
 def _write_gguf(output: Path, model, tokenizer, store, layers_prefix: str, gguf_type: str, method: dict,
                 base_name: str, overwrite: bool, calibrated: bool) -> None:
-    from quantkit.gguf_export import record_fetch, write_gguf_folder
+    from quantkit.formats.gguf.export import record_fetch, write_gguf_folder
     from quantkit.progress import LAYER_DIR, RUN_FILE
 
     write_gguf_folder(output, store.folder, model, tokenizer, gguf_type, record_fetch(model, store, layers_prefix),

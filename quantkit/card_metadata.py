@@ -57,7 +57,7 @@ def source_facts(name: str) -> SourceFacts:
 
 
 def _from_gguf(path: Path) -> SourceFacts:
-    from quantkit.formats.gguf_file import read_gguf
+    from quantkit.formats.gguf.container import read_gguf
 
     try:
         f = read_gguf(path)

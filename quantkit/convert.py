@@ -23,7 +23,7 @@ from quantkit.disk_errors import writing_output
 from quantkit.errors import QuantkitError
 from quantkit.formats import FORMATS, format_for_quant_method, get_format
 from quantkit.formats.spec import LinearSpec
-from quantkit.ggml_types import MIXES, TYPES, check_gguf_type
+from quantkit.formats.gguf.types import MIXES, TYPES, check_gguf_type
 from quantkit.model_files import check_remote_code
 from quantkit.qtensor import QuantizedWeight
 
@@ -161,8 +161,8 @@ def _carry_files(folder: Path, stage: Path) -> None:
 
 
 def _to_gguf(folder, model, state, qws, gguf_type, output, stage, overwrite) -> dict:
-    from quantkit.gguf_export import default_gguf_type, float_type_of, write_gguf_folder
-    from quantkit.gguf_plan import plan_model
+    from quantkit.formats.gguf.export import default_gguf_type, float_type_of, write_gguf_folder
+    from quantkit.formats.gguf.plan import plan_model
     from quantkit.runtime.loader import load_tokenizer
 
     if gguf_type is None:

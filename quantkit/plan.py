@@ -260,8 +260,8 @@ def _check_float_preset(p: SchemePreset, recipe: Recipe, options: Optional[dict]
 
 def _gguf_type(recipe: Recipe, scheme: QuantScheme, gguf_type: Optional[str]) -> str:
     """The llama.cpp type (or mix) to quantize onto: the one asked for, else the scheme's match."""
-    from quantkit.ggml_types import check_gguf_type
-    from quantkit.gguf_export import default_gguf_type
+    from quantkit.formats.gguf.types import check_gguf_type
+    from quantkit.formats.gguf.export import default_gguf_type
 
     if not recipe.quantizer.supports_grids:
         raise QuantkitError(f"method {recipe.name!r} cannot quantize onto GGUF's block grids; use --method gptq or rtn")

@@ -113,7 +113,7 @@ def importance_matrix(tok, num_samples: int, seq_len: int) -> dict:
     by default."""
     from quantkit import data
     from quantkit.assets import demo_model_dir
-    from quantkit.gguf_plan import gguf_name
+    from quantkit.formats.gguf.plan import gguf_name
     from quantkit.runtime.loader import load_model
 
     model = load_model(str(demo_model_dir()), dtype="float32")

@@ -28,7 +28,7 @@ def main() -> None:
     import gguf
     from gguf.quants import dequantize
 
-    from quantkit.ggml_types import TYPES
+    from quantkit.formats.gguf.types import TYPES
     from quantkit.quantizers.gguf_grid import choose_grid, round_to_grid
 
     work = Path(args.work)

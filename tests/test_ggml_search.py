@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from quantkit.ggml_types import TYPES
+from quantkit.formats.gguf.types import TYPES
 
 f32 = np.float32
 

@@ -21,8 +21,8 @@ import torch
 
 from conftest import last_json, run_cli
 from quantkit.errors import QuantkitError
-from quantkit.formats import gguf_blocks
-from quantkit.ggml_types import TYPES
+from quantkit.formats.gguf import blocks as gguf_blocks
+from quantkit.formats.gguf.types import TYPES
 from quantkit.qtensor import QuantizedWeight, TwoLevelScales
 
 gguf = pytest.importorskip("gguf")
@@ -170,7 +170,7 @@ def test_mix_plan_matches_llama_quantize_on_the_demo_shapes():
     (Q4_K -> Q5_0, Q6_K -> Q8_0); the tied embedding takes the output rule (Q8_0: 576 % 256)."""
     from types import SimpleNamespace
 
-    from quantkit.gguf_plan import plan_model
+    from quantkit.formats.gguf.plan import plan_model
 
     more = {0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29}
     shapes = {"model.embed_tokens.weight": (49152, 576), "model.norm.weight": (576,), "lm_head.weight": (49152, 576)}
@@ -230,8 +230,8 @@ def tiny256(tmp_path_factory, demo_dir) -> Path:
 
 def _gguf_py_tensors(path: Path) -> dict[str, torch.Tensor]:
     """The oracle: gguf-py's reader and decoder, attn_q/attn_k rows put back in HF order."""
-    from quantkit.formats.gguf import permutation
-    from quantkit.gguf_plan import hf_name_of
+    from quantkit.formats.gguf.file_io import permutation
+    from quantkit.formats.gguf.plan import hf_name_of
 
     reader = gguf.GGUFReader(str(path))
     heads = int(reader.fields["llama.attention.head_count"].parts[-1][0])
@@ -353,7 +353,7 @@ FUZZ_RSS_LIMIT_MB = 600  # growth of the reader's peak RSS allowed over a whole 
 def _fuzz_base(path: Path) -> None:
     """A 1-layer llama GGUF with one tensor of each kind of block quantkit writes (no tokenizer: the
     fuzz target is quantkit's reader of the file's structure and tensors)."""
-    from quantkit.formats.gguf import permutation
+    from quantkit.formats.gguf.file_io import permutation
 
     w = gguf.GGUFWriter(str(path), arch="llama")
     for key, value in (("block_count", 1), ("embedding_length", 256), ("feed_forward_length", 256),
@@ -426,7 +426,7 @@ def _mutations(base: bytes, path: Path):
 
 
 def _read_all(path: str) -> dict:
-    from quantkit.formats.gguf import read_llama_tensors
+    from quantkit.formats.gguf.file_io import read_llama_tensors
     from quantkit.qtensor import QuantizedWeight as QW
 
     f, tensors = read_llama_tensors(path)

@@ -320,9 +320,9 @@ def test_gguf_grids_refuse_nan_weight(tmp_path, tiny_llama_dir):
     with pytest.raises(QuantkitError, match=f"tensor {name} holds 1 NaN/inf"):
         quantkit.quantize(str(folder), "rtn", format="gguf", gguf_type="Q4_0", output=tmp_path / "o", progress=False)
     # a tensor GGUF rounds itself (the token embedding, no linear of the calibration driver)
-    from quantkit.gguf_export import to_planned
-    from quantkit.gguf_plan import PlannedTensor
-    from quantkit.ggml_types import TYPES
+    from quantkit.formats.gguf.export import to_planned
+    from quantkit.formats.gguf.plan import PlannedTensor
+    from quantkit.formats.gguf.types import TYPES
 
     bad = torch.randn(4, 64)
     bad[2, 3] = float("nan")

@@ -194,7 +194,7 @@ class Quantizer(Step):
     def round_to_nearest(self, module: nn.Linear, scheme: LinearScheme) -> QuantizedWeight:
         """`module`'s weight rounded to nearest, no data: on a GGUF type's blocks with the parameters
         llama.cpp chooses, else on the scheme's grid with `uncalibrated_grid_options`' range search."""
-        from quantkit.ggml_types import ggml_type
+        from quantkit.formats.gguf.types import ggml_type
         from quantkit.quantizers.gguf_grid import rtn_on_grid
         from quantkit.quantizers.grid import rtn_quantize
 

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from quantkit.ggml_types import QK_K, GGMLType
+from quantkit.formats.gguf.types import QK_K, GGMLType
 from quantkit.qtensor import QuantizedWeight, TwoLevelScales
 from quantkit.quantizers.ggml_search import GROUP_MAX_EPS, make_qkx_quants, make_qp_quants, make_qx_quants
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.ggml_types import ggml_type
+from quantkit.formats.gguf.types import ggml_type
 from quantkit.quantizers.base import LayerContext, Quantizer, register_step
 from quantkit.quantizers.gptq_core import CrossAccumulator, HessianAccumulator, act_order_kind, asymmetric_target
 from quantkit.quantizers.gptq_shares import SharedSolver

@@ -359,7 +359,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
     gguf_file = gguf_model_file(path)
     if gguf_file is not None and Path(path).is_file():
-        from quantkit.sources import load_gguf_tokenizer
+        from quantkit.formats.gguf.source import load_gguf_tokenizer
 
         return load_gguf_tokenizer(gguf_file)
     folder = resolve_checkpoint(path)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from quantkit.errors import QuantkitError
-from quantkit.ggml_types import TYPES_BY_ID, GGMLType
+from quantkit.formats.gguf.types import TYPES_BY_ID, GGMLType
 
 MAGIC = b"GGUF"
 MAX_DIMS = 4

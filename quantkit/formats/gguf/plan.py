@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from quantkit.errors import QuantkitError
-from quantkit.ggml_types import MIXES, TYPES, GGMLType, fallback
+from quantkit.formats.gguf.types import MIXES, TYPES, GGMLType, fallback
 
 LLAMA_LAYER = {  # HF suffix inside model.layers.N -> llama.cpp name inside blk.N
     "input_layernorm.weight": "attn_norm.weight",

@@ -1,6 +1,7 @@
 """Assembling a GGUF checkpoint folder: `<output>/model.gguf` plus config.json, tokenizer and card.
 
-Sits between the quantizers and the formats (it imports both, which neither may do of the other):
+It uses the quantizers (llama.cpp's rounding rule) and the checkpoint writer's folder handling, both of
+which import `quantkit.formats`, so those two imports are made where they are used, not at module level:
 each planned tensor comes from a quantizer's result when quantkit calibrated it, is rounded onto
 its type's grid by llama.cpp's own rule when it was not (the token embedding, an ignored linear),
 and stays float where the plan says F32/F16/BF16. Written into the run's staging folder and renamed
@@ -15,15 +16,13 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from quantkit.checkpoint import normal_permissions, replace_dir, check_output_dir, model_card
 from quantkit.errors import QuantkitError
 from quantkit.finite import require_finite
-from quantkit.formats import gguf as gguf_format
+from quantkit.formats.gguf import file_io as gguf_format
 from quantkit.formats.spec import LinearSpec
-from quantkit.ggml_types import MIXES, check_gguf_type
-from quantkit.gguf_plan import PlannedTensor, plan_model
+from quantkit.formats.gguf.types import MIXES, check_gguf_type
+from quantkit.formats.gguf.plan import PlannedTensor, plan_model
 from quantkit.qtensor import QuantizedWeight
-from quantkit.quantizers.gguf_grid import rtn_on_grid
 from quantkit.scheme import LinearScheme
 
 Value = Union[QuantizedWeight, torch.Tensor]
@@ -59,6 +58,8 @@ def to_planned(p: PlannedTensor, value: Value) -> Value:
     """A float tensor planned as a quantized type is rounded onto it (llama.cpp's rule)."""
     if p.type.quantized and not isinstance(value, QuantizedWeight):
         require_finite(p.hf_name, value)
+        from quantkit.quantizers.gguf_grid import rtn_on_grid
+
         return rtn_on_grid(value.float(), p.type)
     return value
 
@@ -70,6 +71,8 @@ def write_gguf_folder(output: Path, stage: Path, model, tokenizer, gguf_type: st
     """Write model.gguf (tensors from `fetch(hf_name)`), config.json, tokenizer and card into `stage`,
     drop `remove` (progress files), rename `stage` to `output`. `plan` defaults to llama-quantize's
     choices for `gguf_type` (`calibrated`: with an importance matrix, as `linear_schemes` chose)."""
+    from quantkit.checkpoint import check_output_dir, model_card, normal_permissions, replace_dir
+
     output = Path(output)
     check_output_dir(output, overwrite)
     gguf_type = check_gguf_type(gguf_type)

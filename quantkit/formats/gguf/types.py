@@ -54,7 +54,7 @@ TYPES = {t.name: t for t in (
 TYPES_BY_ID = {t.id: t for t in TYPES.values()}
 
 # llama.cpp's mixes (llama_ftype_get_default_type): the type most tensors get; the per-tensor
-# exceptions are in quantkit.gguf_plan
+# exceptions are in quantkit.formats.gguf.plan
 MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
 
 # llama_ftype values written as general.file_type (informational for llama.cpp); a pure k-quant

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.ggml_types import GGMLType, QK_K
+from quantkit.formats.gguf.types import GGMLType, QK_K
 from quantkit.qtensor import QuantizedWeight, TwoLevelScales
 
 

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.formats import gguf_blocks
-from quantkit.formats.gguf_file import GGUFFile, read_gguf
-from quantkit.ggml_types import FILE_TYPES, TYPES
-from quantkit.gguf_plan import PlannedTensor, gguf_architecture, hf_name_of
+from quantkit.formats.gguf import blocks as gguf_blocks
+from quantkit.formats.gguf.container import GGUFFile, read_gguf
+from quantkit.formats.gguf.types import FILE_TYPES, TYPES
+from quantkit.formats.gguf.plan import PlannedTensor, gguf_architecture, hf_name_of
 from quantkit.qtensor import QuantizedWeight
 
 NAME = "gguf"
