@@ -159,6 +159,16 @@ def test_recipe_yaml_flags_override_and_a_changed_model_is_refused(tiny_llama_di
         quantkit.quantize(recipe=tmp_path / "edited.yaml", output=tmp_path / "o", progress=False)
 
 
+def test_a_gguf_folder_holds_its_recipe_and_replays(tiny_llama_dir, tmp_path):
+    run("--model", tiny_llama_dir, "--format", "gguf", "--gguf-type", "Q8_0", "--output", tmp_path / "first")
+    rec = recipe_of(tmp_path / "first")
+    assert (rec["format"], rec["gguf_type"]) == ("gguf", "Q8_0")
+    assert {r["grid"] for r in rec["resolved"]["linears"].values()} == {"Q8_0"}
+    run("--recipe", tmp_path / "first" / "recipe.yaml", "--output", tmp_path / "again")
+    gguf = [(d / "model.gguf").read_bytes() for d in (tmp_path / "first", tmp_path / "again")]
+    assert gguf[0] == gguf[1] and len(gguf[0]) > 0
+
+
 @pytest.mark.parametrize("where, key", [(None, "bogus"), ("calibration", "tokens_hash"), ("resolved", "linear"),
                                         ("source", "trust_remote_code"), ("output", "folder"), ("scheme", "bitz")])
 def test_an_unknown_key_in_recipe_yaml_is_refused(gptq_checkpoint, tmp_path, where, key):
