@@ -196,16 +196,26 @@ def quantize(
         leave_group()
     if not lead:
         return None
+    del hf_model  # --eval loads the written checkpoint instead
+    extra = {**({"moe": moe} if moe else {}),
+             **({"ranks": comm.world, "collective_bytes": dict(comm.traffic)} if comm is not None else {}),
+             **({"placement": layer_source.placement()} if device_map is not None else {})}
+    summarize = lambda metrics: _summary(output, plan, schemes, layer_source, cal_batch, t0, metrics)  # noqa: E731
+    return _finished(args, output, plan, resolved, summarize, extra, allocated[1:] if allocated is not None else None)
+
+
+def _finished(args: dict, output: Path, plan, resolved, summarize, extra: dict, allocated):
+    """The result of a written run: scored with --eval (figures into the card), an allocation's report
+    beside the checkpoint; `summarize(metrics)` gives the summary (its time taken once all is done)."""
     metrics = None
-    if eval_after:
-        del hf_model
-        metrics = _record_quality(output, None if in_memory else model, plan, device)
-    summary = {**_summary(output, plan, schemes, layer_source, cal_batch, t0, metrics), **({"moe": moe} if moe else {}),
-               **({"ranks": comm.world, "collective_bytes": dict(comm.traffic)} if comm is not None else {}),
-               **({"placement": layer_source.placement()} if device_map is not None else {})}
+    if args["eval_after"]:
+        model = args["model"]
+        metrics = _record_quality(output, None if isinstance(model, nn.Module) else model, plan, args["device"])
+    summary = {**summarize(metrics), **extra}
     if allocated is not None:
         from quantkit.allocation.run import record_allocation
 
+        report, allocation = allocated
         record_allocation(output, report, allocation)
         summary["allocation"] = {k: v for k, v in allocation.items() if k != "choice"}
     return QuantizeResult(output=output, plan=plan, metrics=metrics, summary=summary, resolved=resolved)
@@ -253,8 +263,8 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
         raise QuantkitError(f"--scheme {p.name} is written from a model held in one process; drop --streaming, "
                             "--device-map, --nproc and --target-bits/--target-size")
     if args["eval_after"]:
-        raise QuantkitError(f"--eval cannot score --scheme {p.name} yet (quantkit's loader does not run float "
-                            "checkpoints); drop --eval and score it with vLLM or transformers")
+        raise QuantkitError(f"--eval needs a model card, which --scheme {p.name}'s writer does not write yet; drop "
+                            "--eval and score the output with `quantkit eval --model OUTPUT --baseline SOURCE`")
     output = Path(args["output"]) if args["output"] is not None else \
         Path(f"{Path(base_name).name.lower()}-rtn-{p.name.lower()}")
     _check_output(output, args["overwrite"], False, source_ref)
