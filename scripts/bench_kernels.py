@@ -8,6 +8,9 @@ For each M and (K x N) shape it times, with ``triton.testing.do_bench``:
 * ``torch.ops.aten._weight_int4pack_mm`` (tinygemm, bf16 activations) after
   ``_convert_weight_to_int4pack``,
 * W8A8 (``per_token_quant_int8`` + ``int8_gemm``, activation quantization included),
+* 4-bit, M <= 16: ``marlin_gemm`` on the same weight shuffled into Marlin's layout at set-up
+  (``marlin_layout.shuffle``; issue #49's first split-K kernel on it, never run on a GPU before this
+  script runs it: its column is its first measurement),
 
 and prints time, TFLOP/s, effective GB/s (bytes the W4A16 call must move: packed weight, scales,
 zeros, x, y) and speedups. The weight-only int4 ceiling in the memory-bound regime is about
@@ -42,7 +45,11 @@ def _import_kernels():
         sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
     dequant = importlib.import_module("quantkit.kernels.dequant_gemm")
     int8 = importlib.import_module("quantkit.kernels.int8_gemm")
-    return types.SimpleNamespace(dequant_gemm=dequant.dequant_gemm, w8a8_linear=int8.w8a8_linear)
+    marlin = importlib.import_module("quantkit.kernels.marlin_gemm")
+    layout = importlib.import_module("quantkit.kernels.marlin_layout")
+    return types.SimpleNamespace(dequant_gemm=dequant.dequant_gemm, w8a8_linear=int8.w8a8_linear,
+                                 marlin_gemm=marlin.marlin_gemm, marlin_max_rows=marlin.MAX_ROWS,
+                                 marlin_shuffle=layout.shuffle)
 
 
 def _parse_shape(s: str):
@@ -155,7 +162,8 @@ def main(argv=None) -> int:
 
     rows = []
     hdr = (f"{'K x N':>12} {'M':>5} | {'wq ms':>8} {'TFLOP/s':>8} {'GB/s':>7} | {'fp16 ms':>8} "
-           f"{'x fp16':>7} | {'int4pk ms':>9} {'x int4pk':>8} | {'w8a8 ms':>8} {'w8a8 x':>7} | {'relerr':>8}")
+           f"{'x fp16':>7} | {'int4pk ms':>9} {'x int4pk':>8} | {'w8a8 ms':>8} {'w8a8 x':>7} | {'relerr':>8} | "
+           f"{'marlin ms':>9} {'x fp16':>7} {'relerr':>8}")
     print(hdr)
     print("-" * len(hdr))
     for k, n in shapes:
@@ -172,6 +180,7 @@ def main(argv=None) -> int:
         w8_scale = torch.rand(n, device=dev) * 0.01 + 1e-3
         int4mm = _int4pack_setup(torch, k, n, gsz, dev)
         wbytes = k * n * bits / 8 + g * n * 2 + (0 if qzeros is None else g * (n // pf) * 4)
+        marlin_w = K.marlin_shuffle(qweight, scales, qzeros, gsz) if bits == 4 and n % 64 == 0 else None
         for m in ms:
             x = torch.randn(m, k, dtype=torch.float16, device=dev)
             y = K.dequant_gemm(x, qweight, scales, qzeros, None, bits, gsz)
@@ -187,18 +196,25 @@ def main(argv=None) -> int:
                 except Exception as exc:
                     print(f"  (int4pack_mm failed at M={m}: {str(exc).splitlines()[0]})", file=sys.stderr)
             t_8 = timed(lambda: K.w8a8_linear(x, w8, w8_scale))
+            t_mg = mg_err = None
+            if marlin_w is not None and m <= K.marlin_max_rows:
+                y_mg = K.marlin_gemm(x, marlin_w)
+                mg_err = ((y_mg.float() - ref).abs().max() / ref.abs().max()).item()
+                t_mg = timed(lambda: K.marlin_gemm(x, marlin_w))
             flops = 2.0 * m * n * k
             gbs = (wbytes + m * k * 2 + m * n * 2) / (t_q * 1e-3) / 1e9
             row = dict(K=k, N=n, M=m, bits=bits, group_size=gsz, sym=args.sym,
                        wq_ms=t_q, wq_tflops=flops / (t_q * 1e-3) / 1e12, wq_gbs=gbs,
                        fp16_ms=t_h, speedup_vs_fp16=t_h / t_q,
                        int4pack_ms=t_i4, speedup_vs_int4pack=(t_i4 / t_q) if t_i4 else None,
-                       w8a8_ms=t_8, w8a8_speedup_vs_fp16=t_h / t_8, max_rel_err=relerr)
+                       w8a8_ms=t_8, w8a8_speedup_vs_fp16=t_h / t_8, max_rel_err=relerr,
+                       marlin_ms=t_mg, marlin_speedup_vs_fp16=(t_h / t_mg) if t_mg else None, marlin_rel_err=mg_err)
             rows.append(row)
             i4 = f"{t_i4:9.4f} {t_i4 / t_q:7.2f}x" if t_i4 else f"{'n/a':>9} {'n/a':>8}"
+            mg = f"{t_mg:9.4f} {t_h / t_mg:6.2f}x {mg_err:8.1e}" if t_mg else f"{'n/a':>9} {'n/a':>7} {'':>8}"
             print(f"{f'{k}x{n}':>12} {m:>5} | {t_q:8.4f} {row['wq_tflops']:8.2f} {gbs:7.0f} | "
-                  f"{t_h:8.4f} {t_h / t_q:6.2f}x | {i4} | {t_8:8.4f} {t_h / t_8:6.2f}x | {relerr:8.1e}")
-        del qweight, scales, qzeros, w_fp16, w8, int4mm
+                  f"{t_h:8.4f} {t_h / t_q:6.2f}x | {i4} | {t_8:8.4f} {t_h / t_8:6.2f}x | {relerr:8.1e} | {mg}")
+        del qweight, scales, qzeros, w_fp16, w8, int4mm, marlin_w
         torch.cuda.empty_cache()
 
     if args.overhead:

@@ -318,6 +318,7 @@ import importlib, sys
 sys.path.insert(0, sys.argv[1])  # the source tree first: it runs with or without an install
 DG = importlib.import_module("quantkit.kernels.dequant_gemm")
 I8 = importlib.import_module("quantkit.kernels.int8_gemm")
+MG = importlib.import_module("quantkit.kernels.marlin_gemm")
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -335,7 +336,7 @@ def compile_(fn, ptr_types, const, num_warps=4, num_stages=3):
             sig[name], const[name] = "constexpr", 1
         else:
             sig[name] = ptr_types.get(name, "i32")
-            if name not in ("M", "M_BUCKET"):
+            if name not in ("M", "M_BUCKET", "K_TILES_PER_SPLIT"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -360,6 +361,10 @@ compile_(I8._int8_gemm_kernel, {"a_ptr": "*i8", "b_ptr": "*i8", "xs_ptr": "*fp32
          dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8))
 compile_(I8._per_token_quant_kernel, {"x_ptr": "*fp16", "q_ptr": "*i8", "s_ptr": "*fp32"},
          dict(BLOCK=4096, ONE_PASS=False))
+mg = {"x_ptr": "*fp16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*i32", "sidx_ptr": "*i32", "zidx_ptr": "*i32",
+      "out_ptr": "*fp32"}  # the Marlin-layout split-K kernel (issue #49), GEMV and padded-dot forms
+compile_(MG._marlin_splitk_kernel, mg, dict(GROUP_SIZE=128, HAS_ZEROS=True, KB=4, BLOCK_M=1, DOT_PRECISION=None))
+compile_(MG._marlin_splitk_kernel, mg, dict(GROUP_SIZE=128, HAS_ZEROS=False, KB=4, BLOCK_M=16, DOT_PRECISION=None))
 print("compiled")
 '''
 

@@ -78,3 +78,19 @@ def test_codes_round_trip_and_bad_shapes():
     qweight, scales, _ = _gptq(64, 64, 32, True)
     with pytest.raises(ValueError, match="scales must be"):
         shuffle(qweight, scales[:1], None, 32)
+
+
+@pytest.mark.parametrize("k,n,group_size,sym,rows", [(128, 64, 32, False, 1), (256, 128, 128, True, 5),
+                                                     (192, 64, -1, False, 16), (512, 128, 64, False, 3)])
+def test_triton_kernel_on_the_shuffled_layout_equals_the_reference(k, n, group_size, sym, rows):
+    """kernels.marlin_gemm under the Triton interpreter (the kernel's arithmetic, not its speed: it
+    has not run on a GPU) against marlin_gemm_reference, fp32 activations: within 1e-4 (split-K sums
+    in another order). K not a multiple of the split: 192 = 12 k-tiles over 4 splits of 4."""
+    from quantkit.kernels import marlin_gemm, triton_support
+
+    if not triton_support.HAS_TRITON or not triton_support.INTERPRET:
+        pytest.skip("triton interpreter not active")
+    w = shuffle(*_gptq(k, n, group_size, sym, seed=k + rows), group_size)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    want = marlin_gemm_reference(x, w)
+    torch.testing.assert_close(marlin_gemm.marlin_gemm(x, w, split_k=4, kb=2), want, atol=1e-4, rtol=1e-4)
