@@ -840,7 +840,7 @@ def sensitivity(model: str = "demo", method: Union[str, list, None] = "gptq", *,
                 ignore: Optional[list[str]] = None, dataset: Any = None, num_samples: Optional[int] = None,
                 seq_len: Optional[int] = None, seed: Optional[int] = None, eval_dataset: Any = None,
                 eval_windows: int = 8, eval_seq_len: int = 512, sample: int = 8, measure_layers: bool = True,
-                measure_linears: bool = True, candidate_bits=(2, 3, 4, 8), output: Union[str, Path, None] = None, overwrite: bool = False,
+                measure_linears: bool = True, measure_at=None, candidate_bits=(2, 3, 4, 8), output: Union[str, Path, None] = None, overwrite: bool = False,
                 trust_remote_code: bool = False, progress: bool = True) -> dict[str, Any]:
     """Measure how much each linear's quantization costs in KL at each candidate bit width (the
     method's group size and symmetry) and write the report (sensitivity.json, PNG pictures, HTML page)
@@ -864,6 +864,7 @@ def sensitivity(model: str = "demo", method: Union[str, list, None] = "gptq", *,
     report = sensitivity_of_model(str(model), plan, calibration=given, trust_remote_code=trust_remote_code,
                                   eval_dataset=eval_dataset, eval_windows=eval_windows, eval_seq_len=eval_seq_len,
                                   sample=sample, measure_layers=measure_layers, measure_linears=measure_linears,
+                                  measure_at=measure_at,
                                   bits=tuple(candidate_bits),
                                   progress=say)
     files = write_report(out, report)

@@ -308,13 +308,16 @@ def _parse_options(pairs) -> dict:
 @click.option("--measure-linears/--no-measure-linears", default=True, show_default=True,
               help="Measure every linear alone at every candidate (the prediction is the measurement; the costliest, "
                    "the most accurate); --no-measure-linears: predict from the proxy.")
+@click.option("--measure-at", default=None,
+              help="With --measure-linears: measure each linear at these candidates only (e.g. w4g64) and predict the "
+                   "others from its own KL per unit of proxy (default: all candidates).")
 @click.option("--output", default=None, help="Report folder (default ./<model>-sensitivity).")
 @click.option("--overwrite", is_flag=True)
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
 def sensitivity(model, method, format_, group_size, sym, candidate_bits, dataset, num_samples, seq_len, eval_dataset,
-                eval_windows, eval_seq_len, sample, measure_layers, measure_linears, output, overwrite, trust_remote_code,
-                as_json):
+                eval_windows, eval_seq_len, sample, measure_layers, measure_linears, measure_at, output, overwrite,
+                trust_remote_code, as_json):
     """KL increase per linear and decoder layer at each candidate scheme: JSON, PNG and HTML report."""
     from quantkit import api
 
@@ -327,7 +330,9 @@ def sensitivity(model, method, format_, group_size, sym, candidate_bits, dataset
     r = api.sensitivity(model, method, group_size=group_size, sym=sym, format=format_, dataset=dataset,
                         num_samples=num_samples, seq_len=seq_len, eval_dataset=eval_dataset, eval_windows=eval_windows,
                         eval_seq_len=eval_seq_len, sample=sample, measure_layers=measure_layers,
-                        measure_linears=measure_linears, candidate_bits=bits, output=output, overwrite=overwrite, trust_remote_code=trust_remote_code,
+                        measure_linears=measure_linears, candidate_bits=bits,
+                        measure_at=None if measure_at is None else tuple(
+                            int(b) if b.strip().isdigit() else b.strip() for b in measure_at.split(",")), output=output, overwrite=overwrite, trust_remote_code=trust_remote_code,
                         progress=not as_json)
     _emit(r, as_json, f"wrote {r['output']} ({r['rows']} rows: {r['linears']} linears x {len(r['schemes'])} schemes; "
                       f"proxy check {json.dumps(r['proxy_check'])})")

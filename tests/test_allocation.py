@@ -371,3 +371,25 @@ def test_candidate_labels_parse_onto_the_linears_scheme():
         candidates_for(base, ("4bit",))
     with pytest.raises(QuantkitError, match="unsupported group size 16"):
         candidates_for(base, ("w4g16",))
+
+
+def test_anchored_measurement_predicts_other_schemes_from_each_linears_own_ratio(tmp_path, tiny_llama_dir):
+    """--measure-at w4g32: every linear measured at w4g32 only; its other schemes predicted as proxy x
+    its own measured KL per unit of proxy; the sampled linears measured at every scheme (the check)."""
+    import quantkit.api as api
+
+    out = tmp_path / "anchored"
+    api.sensitivity(str(tiny_llama_dir), "gptq", group_size=32, num_samples=4, seq_len=32, eval_windows=2,
+                    eval_seq_len=32, candidate_bits=(2, 4, 8), measure_at=(4,), sample=2, output=out, progress=False)
+    report = json.loads((out / "sensitivity.json").read_text())
+    assert report["calibration_mode"] == "linear"
+    rows = {(r["linear"], r["scheme"]): r for r in report["rows"]}
+    linears = {n for n, _ in rows}
+    assert all(rows[(n, "w4g32")]["measured_kl"] is not None for n in linears)
+    for n in [n for n in linears if rows[(n, "w4g32")]["measured_kl"] > 0]:  # else the median ratio
+        ratio = rows[(n, "w4g32")]["measured_kl"] / rows[(n, "w4g32")]["proxy"]
+        for label in ("w2g32", "w8g32"):
+            assert rows[(n, label)]["predicted_kl"] == pytest.approx(rows[(n, label)]["proxy"] * ratio, rel=1e-9)
+    sampled = {n for (n, label), r in rows.items() if label != "w4g32" and r["measured_kl"] is not None}
+    assert len(sampled) == 2
+    assert report["proxy_check"]["modules_x_schemes"] == 2 * 2 and report["proxy_check"]["in_sample"] is False

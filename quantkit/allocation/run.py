@@ -31,7 +31,8 @@ def check_format_carries_mixture(format_name: str, gguf_type: Optional[str]) -> 
 
 def measure_report(hf_model, adapter, plan, schemes: dict, calibration_ids: torch.Tensor, eval_windows: torch.Tensor, *,
                    model_label: str, save_dtype: torch.dtype, batch_size: int = 4, sample: int = 8,
-                   measure_layers: bool = True, measure_linears: bool = False, bits=CANDIDATE_BITS, seed: int = 0,
+                   measure_layers: bool = True, measure_linears: bool = False, measure_at=None, bits=CANDIDATE_BITS,
+                   seed: int = 0,
                    info: Optional[dict] = None, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """The sensitivity report of a full-precision (fp32) model: one row per linear and candidate scheme."""
     from quantkit.formats import get_format
@@ -54,7 +55,9 @@ def measure_report(hf_model, adapter, plan, schemes: dict, calibration_ids: torc
     prefix = adapter.layers_prefix(hf_model)
     measured = measure(hf_model, adapter, candidates, plan.recipe.quantizer, calibration_ids, eval_windows,
                        batch_size=batch_size, sample=sample, measure_layers=measure_layers,
-                       measure_linears=measure_linears, seed=seed, progress=progress)
+                       measure_linears=measure_linears, seed=seed, progress=progress,
+                       anchors=None if measure_at is None else tuple(
+                           scheme_label(s) for s in candidates_for(next(iter(schemes.values())), measure_at)))
     labelled = {n: {scheme_label(s): b for s, b in c.items()} for n, c in costs.items()}
     rows = mixture.table_rows(measured, labelled, candidates, shapes, prefix)
     uniforms = {label: mixture.summary(u) for label in measured["labels"]
@@ -180,7 +183,8 @@ EVAL_SEQ_LEN = 512
 def sensitivity_of_model(model: str, plan, *, calibration: Optional[dict] = None, trust_remote_code: bool = False,
                          eval_dataset=None,
                          eval_windows: int = EVAL_WINDOWS, eval_seq_len: int = EVAL_SEQ_LEN, sample: int = 8,
-                         measure_layers: bool = True, measure_linears: bool = True, bits=CANDIDATE_BITS,
+                         measure_layers: bool = True, measure_linears: bool = True, measure_at=None,
+                         bits=CANDIDATE_BITS,
                          batch_size: int = 4,
                          progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Load `model` in fp32 and measure its report for `plan` (the calibration set is the plan's, or the
@@ -214,11 +218,13 @@ def sensitivity_of_model(model: str, plan, *, calibration: Optional[dict] = None
     windows = held_out_windows(eval_set, tokenizer, eval_seq_len, eval_windows)
     info = {"calibration": {**{k: str(v) if k == "dataset" else v for k, v in cal.items()}},
             "eval": {"dataset": str(eval_set), "windows": int(windows.shape[0]), "seq_len": eval_seq_len},
-            "sample": sample, "candidate_bits": list(bits)}
+            "sample": sample, "candidate_bits": list(bits),
+            "measure_at": None if measure_at is None else list(measure_at)}
     with torch.no_grad():
         return measure_report(hf_model, adapter, plan, schemes, ids, windows, model_label=base_name,
                               save_dtype=save_dtype, batch_size=batch_size, sample=sample,
-                              measure_layers=measure_layers, measure_linears=measure_linears, bits=bits,
+                              measure_layers=measure_layers, measure_linears=measure_linears,
+                              measure_at=measure_at, bits=bits,
                               info=info, progress=progress)
 
 

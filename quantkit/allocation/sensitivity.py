@@ -198,12 +198,15 @@ class KLMeter:
 
 def measure(model: nn.Module, adapter, candidates: dict[str, tuple[LinearScheme, ...]], quantizer,
             calibration_ids: torch.Tensor, eval_windows: torch.Tensor, *, batch_size: int = 4, sample: int = 8,
-            measure_layers: bool = True, measure_linears: bool = False, seed: int = 0,
+            measure_layers: bool = True, measure_linears: bool = False, anchors: Optional[tuple[str, ...]] = None,
+            seed: int = 0,
             progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """The sensitivity table of `model` (fp32, in memory): proxies, measurements, predictions, the check.
 
-    `measure_linears`: every (linear, scheme) measured alone and its measured KL is the prediction
-    (calibration "linear"; no proxy mapping, no layer or sample runs). Always measured: the whole model
+    `measure_linears`: every linear measured alone at the `anchors` schemes (default: all its candidates),
+    and its KL at another scheme predicted from its own measured KL per unit of proxy (calibration
+    "linear", see per_linear_prediction); no layer runs; the sampled linears are then measured at the
+    other schemes, as an out-of-sample check of that per-linear mapping. Always measured: the whole model
     at every uniform scheme (`whole_kl`, the points of the interaction mapping). The returned
     `kl_of_mixture` scores any {linear: scheme label} on the same windows (the mixture check)."""
     t0 = time.perf_counter()
@@ -248,11 +251,13 @@ def measure(model: nn.Module, adapter, candidates: dict[str, tuple[LinearScheme,
     layer_kl: dict[tuple[int, str], float] = {}
     measured: dict[tuple[str, str], float] = {}
     if measure_linears:
-        measure_layers, sample = False, 0
+        measure_layers = False
         for i, n in enumerate(names):
-            progress(f"linear {i + 1}/{len(names)} {n} at {len(candidates[n])} schemes")
-            for s in candidates[n]:
-                measured[(n, scheme_label(s))] = meter.kl_with({n: approx[(n, scheme_label(s))]})
+            at = [scheme_label(s) for s in candidates[n] if anchors is None or scheme_label(s) in anchors]
+            progress(f"linear {i + 1}/{len(names)} {n} at {', '.join(at)}")
+            for label in at:
+                measured[(n, label)] = meter.kl_with({n: approx[(n, label)]})
+    anchored = dict(measured)
     whole_kl = {}
     for label in labels:
         if all((n, label) in approx for n in names):
@@ -268,10 +273,14 @@ def measure(model: nn.Module, adapter, candidates: dict[str, tuple[LinearScheme,
     sampled = sorted(rng.sample(names, min(sample, len(names))), key=names.index)
     for n in sampled:
         for s in candidates[n]:
+            if (n, scheme_label(s)) in measured:
+                continue
             progress(f"linear {n} at {scheme_label(s)}")
             measured[(n, scheme_label(s))] = meter.kl_with({n: approx[(n, scheme_label(s))]})
     if measure_linears:
-        factors, mode, predicted = {}, "linear", dict(measured)
+        factors, mode = {}, "linear"
+        predicted = per_linear_prediction(proxy, anchored)
+        check_keys = {k: v for k, v in measured.items() if k not in anchored}  # out of sample
     else:
         factors, mode = _calibrate(proxy, by_layer, layer_kl, measured, labels)
         predicted = {(n, l): proxy[(n, l)] * factors[(layer_of(n, layers_prefix), l)]
@@ -283,8 +292,48 @@ def measure(model: nn.Module, adapter, candidates: dict[str, tuple[LinearScheme,
     return {"proxy": proxy, "predicted": predicted, "measured": measured, "layer_kl": layer_kl,
             "whole_kl": whole_kl, "kl_of_mixture": kl_of_mixture,
             "calibration_mode": mode, "factors": factors, "labels": labels, "by_layer": by_layer,
-            "check": proxy_check(measured, predicted, proxy, in_sample=mode in ("scheme", "linear")),
+            "check": (proxy_check(check_keys, predicted, proxy, in_sample=False) if mode == "linear"
+                      else proxy_check(measured, predicted, proxy, in_sample=mode == "scheme")),
             "forwards": meter.forwards, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def per_linear_prediction(proxy: dict, anchored: dict) -> dict:
+    """Predicted KL of every (linear, scheme): measured where it was (the anchors), else the proxy times
+    the linear's own measured KL per unit of proxy, interpolated in log proxy between its anchors
+    (the nearest anchor's ratio beyond them). One mapping per linear, not one per scheme: the
+    proxy -> KL ratio differs by decades across linears (outlier inputs, position in the network)
+    but little across the schemes of one linear."""
+    ratios: dict[str, list[tuple[float, float]]] = {}
+    for (n, label), kl in anchored.items():
+        if proxy[(n, label)] > 0 and kl > 0:
+            ratios.setdefault(n, []).append((math.log(proxy[(n, label)]), math.log(kl / proxy[(n, label)])))
+    # a linear whose anchors measured no KL above zero (below float resolution): the median ratio
+    every = sorted(r for pts in ratios.values() for _, r in pts)
+    fallback = [(0.0, every[len(every) // 2])] if every else []
+    out = {}
+    for (n, label), p in proxy.items():
+        if (n, label) in anchored:
+            out[(n, label)] = anchored[(n, label)]
+            continue
+        pts = sorted(ratios.get(n, fallback))
+        if not pts or p <= 0:
+            out[(n, label)] = 0.0 if p <= 0 else math.nan
+            continue
+        x = math.log(p)
+        if x <= pts[0][0] or len(pts) == 1:
+            r = pts[0][1] if x <= pts[0][0] else pts[-1][1]
+        elif x >= pts[-1][0]:
+            r = pts[-1][1]
+        else:
+            j = max(i for i in range(len(pts) - 1) if pts[i][0] <= x)
+            (x0, r0), (x1, r1) = pts[j], pts[j + 1]
+            r = r0 + (r1 - r0) * (x - x0) / (x1 - x0)
+        out[(n, label)] = p * math.exp(r)
+    missing = sorted({n for (n, _), v in out.items() if math.isnan(v)})
+    if missing:
+        raise QuantkitError(f"{missing[0]}: no linear measured a KL above zero at its anchor schemes to calibrate "
+                            "the proxy; measure at more schemes (--measure-at) or on more held-out tokens")
+    return out
 
 
 def _calibrate(proxy, by_layer, layer_kl, measured, labels):
