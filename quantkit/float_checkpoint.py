@@ -22,6 +22,7 @@ from quantkit.errors import QuantkitError
 from quantkit.float_codecs import fp8, mxfp4, nvfp4
 from quantkit.formats import ct_float_quantized, ct_mxfp4, ct_nvfp4
 from quantkit.formats.ct_float_layouts import LAYOUTS, args_from_config
+from quantkit.formats.registry import float_layout_for, get
 from quantkit.scheme_presets import QuantArgs, SchemePreset
 
 CT_VERSION = "0.20.1"  # the compressed-tensors release whose config schema this follows
@@ -35,10 +36,10 @@ def layout_of(preset: SchemePreset) -> str:
         raise QuantkitError(f"--scheme {preset.name} cannot be written by round-to-nearest yet (it needs "
                             "calibrated activation scales or is an integer scheme); "
                             f"choose one of {', '.join(WRITABLE)}")
-    for layout in (ct_float_quantized, ct_nvfp4, ct_mxfp4):
-        if layout.can_store(preset.weights)[0]:
-            return layout.FORMAT
-    raise QuantkitError(f"no compressed-tensors float layout stores --scheme {preset.name}'s weights")
+    layout = float_layout_for(preset)
+    if layout is None:
+        raise QuantkitError(f"--scheme {preset.name}: {get('compressed-tensors').can_store(preset)[1]}")
+    return layout
 
 
 def quantize_weight(weight: torch.Tensor, preset: SchemePreset,

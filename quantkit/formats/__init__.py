@@ -12,7 +12,6 @@ The checkpoint writer and the runtime both go through here, so nothing else unpa
 """
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 from quantkit.errors import QuantkitError
@@ -20,19 +19,20 @@ from quantkit.formats.spec import LinearSpec
 
 __all__ = ["FORMATS", "LinearSpec", "get_format", "format_for_quant_method"]
 
-FORMATS = {
-    "gptq": "quantkit.formats.gptq",
-    "compressed-tensors": "quantkit.formats.compressed_tensors",
-    "awq": "quantkit.formats.awq",
-}
+# The formats whose layout module has the per-linear interface above (QuantLinear, the integer writer).
+# What each format can store is declared by its class in `quantkit.formats.registry` (GGUF and the float
+# layouts included); the layout modules refuse schemes through those declarations.
+FORMATS = ("gptq", "compressed-tensors", "awq")
 
 
 def get_format(name: str) -> ModuleType:
-    """The layout module registered under `name` ("gptq", "compressed-tensors", "awq")."""
+    """The layout module of format `name` ("gptq", "compressed-tensors", "awq"), from the registry."""
+    from quantkit.formats import registry
+
     key = str(name).lower().replace("_", "-")
     if key not in FORMATS:
         raise QuantkitError(f"unknown checkpoint format {name!r}; choose one of {', '.join(FORMATS)}")
-    return importlib.import_module(FORMATS[key])
+    return registry.get(key).module()
 
 
 def format_for_quant_method(qcfg: dict) -> ModuleType:

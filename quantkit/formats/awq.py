@@ -16,7 +16,7 @@ from collections import Counter
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.formats import bitpack, checks
+from quantkit.formats import bitpack, checks, registry
 from quantkit.formats.spec import LinearSpec
 from quantkit.qtensor import QuantizedWeight
 
@@ -31,13 +31,10 @@ def _interleave(n: int) -> torch.Tensor:
 
 
 def _check_spec(spec: LinearSpec) -> None:
-    checks.weight_only(spec, NAME)
-    if spec.bits != 4:
-        raise QuantkitError(f"awq (gemm) stores 4-bit weights only, not {spec.bits}-bit")
+    """The scheme as `registry.AwqFormat` declares it, then this linear's shape."""
+    registry.refuse_unless_stored(NAME, spec)
     if spec.out_features % 8:
         raise QuantkitError(f"awq needs out_features ({spec.out_features}) divisible by 8")
-    if spec.act_order == "dynamic":
-        raise QuantkitError("awq has no g_idx and cannot store dynamic act-order: use the gptq format")
     if spec.group_size != -1 and spec.in_features % spec.group_size:
         raise QuantkitError(f"awq: group_size {spec.group_size} must divide in_features {spec.in_features}")
 

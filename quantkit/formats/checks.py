@@ -38,13 +38,6 @@ def tensor(tensors: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...
     return t
 
 
-def weight_only(spec: LinearSpec, fmt: str) -> None:
-    """Layouts without activation quantization must refuse a W8A8 weight rather than silently drop it."""
-    if spec.input_quant is not None:
-        raise QuantkitError(f"{fmt} stores weight-only schemes; int8 activations (W8A8, input_quant "
-                            f"{spec.input_quant!r}) need --format compressed-tensors")
-
-
 def g_idx(g: torch.Tensor, spec: LinearSpec, fmt: str, name: str = "g_idx") -> torch.Tensor:
     """Check a group index against the spec: in range, and trivial unless act-order is dynamic."""
     g = g.to(torch.int32).cpu()

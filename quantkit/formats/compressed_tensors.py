@@ -28,7 +28,7 @@ from collections import Counter
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.formats import bitpack, checks
+from quantkit.formats import bitpack, checks, registry
 from quantkit.formats.spec import LinearSpec
 from quantkit.qtensor import QuantizedWeight
 
@@ -41,22 +41,16 @@ ACTIVATION_STRATEGIES = ("token", "tensor")  # what the writer can store (the AP
 # the config's "version" so a file does not depend on what happens to be installed.
 CT_VERSION = "0.20.1"
 
-_DYNAMIC_ERROR = ("compressed-tensors cannot store dynamic act-order (a permuted g_idx; actorder 'group' "
-                  "was removed in compressed-tensors 0.20): use the gptq format, or static_groups/"
-                  "static act-order")
+_DYNAMIC_ERROR = registry.CT_DYNAMIC_ACT_ORDER
 
 
 def _check_spec(spec: LinearSpec) -> None:
-    if spec.input_quant is not None:
-        if (spec.bits, spec.group_size, spec.sym, spec.act_order) != (8, -1, True, "none"):
-            raise QuantkitError("compressed-tensors int-quantized (W8A8) stores 8-bit symmetric per-channel "
-                                f"weights only, not bits={spec.bits} group_size={spec.group_size} sym={spec.sym} "
-                                f"act_order={spec.act_order!r}")
-        return
+    """The scheme as `registry.CompressedTensorsFormat` declares it, then this linear's shape."""
     if not 2 <= spec.bits <= 8:
         raise QuantkitError(f"compressed-tensors pack-quantized stores 2..8-bit weights, not {spec.bits}-bit")
-    if spec.act_order == "dynamic":
-        raise QuantkitError(_DYNAMIC_ERROR)
+    registry.refuse_unless_stored(NAME, spec)
+    if spec.input_quant is not None:
+        return
     if spec.group_size != -1 and spec.in_features % spec.group_size:
         raise QuantkitError(f"compressed-tensors: group_size {spec.group_size} must divide "
                             f"in_features {spec.in_features}")

@@ -20,19 +20,17 @@ from collections import Counter
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.formats import bitpack, checks
+from quantkit.formats import bitpack, checks, registry
 from quantkit.formats.spec import LinearSpec
 from quantkit.qtensor import QuantizedWeight
 
 NAME = "gptq"
-SUPPORTED_BITS = (2, 3, 4, 8)
 _DEFAULTS = {"true_sequential": True, "damp_percent": 0.01}
 
 
 def _check_spec(spec: LinearSpec) -> None:
-    checks.weight_only(spec, NAME)
-    if spec.bits not in SUPPORTED_BITS:
-        raise QuantkitError(f"gptq stores {SUPPORTED_BITS}-bit weights, not {spec.bits}-bit")
+    """The scheme as `registry.GptqFormat` declares it, then this linear's shape."""
+    registry.refuse_unless_stored(NAME, spec)
     for what, n in (("in_features", spec.in_features), ("out_features", spec.out_features)):
         if n * spec.bits % 32:
             raise QuantkitError(f"gptq {spec.bits}-bit needs {what} ({n}) to fill whole int32 words "
