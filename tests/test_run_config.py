@@ -169,6 +169,22 @@ def test_a_gguf_folder_holds_its_recipe_and_replays(tiny_llama_dir, tmp_path):
     assert gguf[0] == gguf[1] and len(gguf[0]) > 0
 
 
+def test_a_moe_run_records_its_expert_policy_and_replays(tiny_llama_dir, tmp_path):
+    from test_moe import FAMILIES, build
+
+    source = tmp_path / "moe"
+    build(FAMILIES[0]).save_pretrained(source)
+    transformers.AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(source)
+    run("--model", source, "--method", "gptq", "--group-size", "32", "--num-samples", "4", "--seq-len", "32",
+        "--moe-min-tokens", "3", "--output", tmp_path / "first")
+    rec = recipe_of(tmp_path / "first")
+    assert rec["resolved"]["expert_policy"] == {"mode": "routed", "min_tokens": 3}
+    assert (rec["calibration"]["moe_calibration"], rec["calibration"]["moe_min_tokens"]) == ("routed", 3)
+    assert any(".experts." in n for n in rec["resolved"]["linears"])
+    run("--recipe", tmp_path / "first" / "recipe.yaml", "--output", tmp_path / "again")
+    assert shas(tmp_path / "again") == shas(tmp_path / "first")
+
+
 @pytest.mark.parametrize("where, key", [(None, "bogus"), ("calibration", "tokens_hash"), ("resolved", "linear"),
                                         ("source", "trust_remote_code"), ("output", "folder"), ("scheme", "bitz")])
 def test_an_unknown_key_in_recipe_yaml_is_refused(gptq_checkpoint, tmp_path, where, key):
