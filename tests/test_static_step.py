@@ -130,3 +130,101 @@ def test_static_step_with_the_triton_kernels_under_the_interpreter(int4):
         assert_pool_full(eng)
     assert runs[True][1] == runs[False][1]
     assert runs[True][0].runner.static_step.steps_by_bucket == {1: 2, 2: 2, 4: 1}
+
+
+class FakeCuda:
+    """Stands in for torch.cuda's graph API on CPU, with a graph's semantics: capture runs the step
+    once and keeps it; replay re-runs it on the same static buffers (what a CUDA graph's kernels
+    read and write). It lets the capture / replay control flow of engine.static_step run here."""
+
+    def __init__(self, fail: bool = False):
+        self.fail, self.capturing, self.graphs = fail, None, []
+
+    class Graph:
+        def __init__(self):
+            self.fn, self.replays = None, 0
+
+        def replay(self):
+            self.replays += 1
+            self.fn()
+
+    def install(self, monkeypatch):
+        from contextlib import contextmanager, nullcontext
+
+        from quantkit.engine.static_step import StaticDecodeStep
+
+        fake = self
+
+        @contextmanager
+        def graph(g, pool=None):
+            fake.capturing = g
+            try:
+                if fake.fail:
+                    raise RuntimeError("operation not permitted when stream is capturing\nmore")
+                yield
+            finally:
+                fake.capturing = None
+
+        def new_graph():
+            g = FakeCuda.Graph()
+            fake.graphs.append(g)
+            return g
+
+        forward = StaticDecodeStep._forward
+
+        def recording_forward(step, bucket):
+            if fake.capturing is not None:
+                fake.capturing.fn = lambda: forward(step, bucket)
+            return forward(step, bucket)
+
+        stream = type("Stream", (), {"wait_stream": lambda self, other: None})
+        for name, value in dict(CUDAGraph=new_graph, graph=graph, synchronize=lambda device=None: None,
+                                Stream=lambda device=None: stream(), current_stream=lambda device=None: stream(),
+                                stream=lambda s: nullcontext(), graph_pool_handle=lambda: object()).items():
+            monkeypatch.setattr(torch.cuda, name, value)
+        monkeypatch.setattr(StaticDecodeStep, "_forward", recording_forward)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_capture_and_replay_control_flow(monkeypatch, fail):
+    """The CUDA path's control flow on CPU, torch.cuda's graph API faked (FakeCuda): one capture per
+    bucket, on its first use, after a warm-up on padding rows (which writes to the scratch block
+    only: the pool's K/V ends equal to the eager engine's); every later step of the bucket a replay on
+    freshly filled buffers; tokens equal the eager engine's. A capture that fails leaves the engine
+    on the static step run eagerly, with one notice, and the same tokens."""
+    from quantkit.notices import reset_notices
+
+    model = tiny_model("llama")
+    prompts = _prompts(6, [5, 9, 3, 12, 7, 4], seed=3)
+    max_tokens = [3, 5, 7, 9, 11, 14]
+    eager, want = _run(model, prompts, max_tokens, False)
+    fake = FakeCuda(fail)
+    fake.install(monkeypatch)
+    reset_notices()
+    eng = LLMEngine(model, block_size=4, num_kv_blocks=64, max_num_seqs=8, cuda_graph=True, graph_buckets=(1, 2, 4))
+    step = eng.runner.static_step
+    step.use_graphs = True  # as on CUDA
+    with pytest.warns(UserWarning, match="CUDA graph failed") if fail else _no_warning():
+        got = [o["token_ids"] for o in eng.generate(prompts, [greedy(n, ignore_eos=True) for n in max_tokens])]
+    assert got == want
+    n = eager.runner.num_blocks
+    torch.testing.assert_close(eng.kv_cache.k[:, :n], eager.kv_cache.k[:, :n], atol=1e-5, rtol=1e-5)
+    assert step.steps_by_bucket == {1: 3, 2: 2, 4: 4}
+    if fail:
+        assert not step.use_graphs and step.graphs == {} and len(fake.graphs) == 1
+    else:
+        assert sorted(step.graphs) == [1, 2, 4] and len(fake.graphs) == 3  # one capture per bucket
+        assert {b: g.replays for b, g in step.graphs.items()} == step.steps_by_bucket
+    assert_pool_full(eng)
+
+
+def _no_warning():
+    import warnings
+    from contextlib import contextmanager
+
+    @contextmanager
+    def ctx():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            yield
+    return ctx()
