@@ -183,8 +183,10 @@ def quantize(
     with writing_output(output, lambda: rough_checkpoint_bytes(hf_model, schemes, save_dtype), resume_hint=True):
         store = _progress_store(output, in_memory_identity(hf_model) if in_memory else model, plan, save_dtype,
                                 cal_batch, input_ids, resume, comm)
-        job = dict(device=_compute_device(device, comm), batch_size=cal_batch or 1, progress=progress and lead,
-                   store=store, layer_source=layer_source, experts=experts, stats={}, comm=comm)
+        # what the pipeline runs comes from the resolved run (recipe.yaml says what ran); the rest is run-time
+        job = dict(device=_compute_device(device, comm), batch_size=resolved.batch_size or 1,
+                   progress=progress and lead, store=store, layer_source=layer_source,
+                   experts=resolved.expert_policy, stats={}, comm=comm)
         if serving is not None:
             job["serving"] = serving
         with bounded_heap() if layer_source is not None else contextlib.nullcontext():  # scoped to this run
