@@ -158,10 +158,12 @@ def _speculative_options(command):
 @click.option("--dtype", default=None)
 @click.option("--device", default=None)
 @_speculative_options
+@click.option("--cuda-graph/--no-cuda-graph", default=None,
+              help="Decode steps replayed from CUDA graphs (default: on for CUDA; engine.static_step).")
 @click.option("--json", "as_json", is_flag=True)
 def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, seed, backend, kv_cache_dtype, block_size,
              dtype, device, draft, num_speculative_tokens, draft_dtype, lm_head_quant, draft_lm_head_quant, draft_confidence,
-             as_json):
+             cuda_graph, as_json):
     """Generate text through the paged-KV engine, streaming tokens as they come."""
     from quantkit.engine.api import generate_text
 
@@ -171,7 +173,7 @@ def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, see
                       top_k=top_k, seed=seed, stream=stream, backend=backend, kv_cache_dtype=kv_cache_dtype,
                       block_size=block_size, dtype=dtype, device=device, draft=draft,
                       num_speculative_tokens=num_speculative_tokens, draft_dtype=draft_dtype, lm_head_quant=lm_head_quant,
-                      draft_lm_head_quant=draft_lm_head_quant, draft_confidence=draft_confidence)
+                      draft_lm_head_quant=draft_lm_head_quant, draft_confidence=draft_confidence, cuda_graph=cuda_graph)
     if as_json:
         click.echo(json.dumps(r, default=str))
     else:
@@ -191,9 +193,11 @@ def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, see
 @click.option("--dtype", default=None)
 @click.option("--device", default=None)
 @_speculative_options
+@click.option("--cuda-graph/--no-cuda-graph", default=None,
+              help="Decode steps replayed from CUDA graphs (default: on for CUDA; engine.static_step).")
 @click.option("--json", "as_json", is_flag=True)
 def bench(model, batch, input_len, output_len, kv_cache_dtype, block_size, kv_cache_memory, backend, dtype, device, draft,
-          num_speculative_tokens, draft_dtype, lm_head_quant, draft_lm_head_quant, draft_confidence, as_json):
+          num_speculative_tokens, draft_dtype, lm_head_quant, draft_lm_head_quant, draft_confidence, cuda_graph, as_json):
     """TTFT, TPOT, tokens/s and KV-cache use of a batch run with continuous batching."""
     from quantkit.engine.api import run_bench
 
@@ -203,7 +207,7 @@ def bench(model, batch, input_len, output_len, kv_cache_dtype, block_size, kv_ca
                   block_size=block_size, kv_cache_memory=memory, backend=backend, device=device, dtype=dtype,
                   draft=draft, num_speculative_tokens=num_speculative_tokens, draft_dtype=draft_dtype,
                   lm_head_quant=lm_head_quant, draft_lm_head_quant=draft_lm_head_quant,
-                  draft_confidence=draft_confidence)
+                  draft_confidence=draft_confidence, cuda_graph=cuda_graph)
     human = (f"ttft {r['ttft_ms']:.1f} ms, tpot {r['tpot_ms']:.1f} ms, {r['tokens_per_s']:.1f} tokens/s; "
              f"KV blocks {r['kv_blocks_used']}/{r['kv_blocks_total']} ({r['kv_bytes_per_block']} B each), "
              f"prefix hit rate {r['prefix_hit_rate']:.2f}")
