@@ -240,6 +240,19 @@ def test_a_float_scheme_is_float_checkpoints_rtn_and_replays(tiny_wide_dir, tmp_
     assert shas(tmp_path / "again") == shas(tmp_path / "named")
 
 
+def test_a_recipe_file_may_name_its_scheme(tmp_path):
+    from quantkit.plan import resolve_plan
+
+    path = tmp_path / "r.yaml"
+    path.write_text("method: gptq\nscheme: w8a16\ncalibration: {num_samples: 8}\n")
+    plan = resolve_plan(recipe_file=path)
+    assert plan.preset.name == "W8A16" and plan.recipe.name == "gptq" and plan.format == "compressed-tensors"
+    assert (plan.scheme.bits, plan.scheme.group_size, plan.scheme.sym) == (8, 128, True)
+    assert resolve_plan(recipe_file=path, scheme="W4A16").scheme.bits == 4  # the flag wins
+    with pytest.raises(QuantkitError, match="--scheme W8A16 quantizes weights to 8 bits, not --bits 4"):
+        resolve_plan(recipe_file=path, bits=4)
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(scheme="w4a16", bits=8), "--scheme W4A16 quantizes weights to 4 bits, not --bits 8; drop --bits"),
     (dict(scheme="W8A16", group_size=64), "not --group-size 64"),
