@@ -159,7 +159,7 @@ def _speculative_options(command):
 @click.option("--device", default=None)
 @_speculative_options
 @click.option("--cuda-graph/--no-cuda-graph", default=None,
-              help="Decode steps replayed from CUDA graphs (default: on for CUDA; engine.static_step).")
+              help="Decode steps replayed from CUDA graphs (default off: not yet checked on a GPU; engine.static_step).")
 @click.option("--json", "as_json", is_flag=True)
 def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, seed, backend, kv_cache_dtype, block_size,
              dtype, device, draft, num_speculative_tokens, draft_dtype, lm_head_quant, draft_lm_head_quant, draft_confidence,
@@ -194,7 +194,7 @@ def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, see
 @click.option("--device", default=None)
 @_speculative_options
 @click.option("--cuda-graph/--no-cuda-graph", default=None,
-              help="Decode steps replayed from CUDA graphs (default: on for CUDA; engine.static_step).")
+              help="Decode steps replayed from CUDA graphs (default off: not yet checked on a GPU; engine.static_step).")
 @click.option("--json", "as_json", is_flag=True)
 def bench(model, batch, input_len, output_len, kv_cache_dtype, block_size, kv_cache_memory, backend, dtype, device, draft,
           num_speculative_tokens, draft_dtype, lm_head_quant, draft_lm_head_quant, draft_confidence, cuda_graph, as_json):

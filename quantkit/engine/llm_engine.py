@@ -83,8 +83,8 @@ class LLMEngine:
         ``lm_head_quant`` / ``draft_lm_head_quant`` ("int8", "int4", "shortlist"): decode through a quantized
         copy of the target's / draft's LM head only (engine.quantized_head; changes the logits).
         ``cuda_graph``: decode steps from static buffers, replayed from one CUDA graph per batch-size
-        bucket (engine.static_step; None: on for CUDA, off on CPU, where True runs the same static
-        step eagerly); ``graph_buckets``: those batch sizes (default 1, 2, 4, 8, 16, 32, ... up to
+        bucket (engine.static_step; None: off, as it has not yet run on a GPU; on CPU True runs the same
+        static step eagerly); ``graph_buckets``: those batch sizes (default 1, 2, 4, 8, 16, 32, ... up to
         ``max_num_seqs``); a larger batch, and every prefill, runs eagerly."""
         if block_size < 1:
             raise QuantkitError(f"block_size must be at least 1, got {block_size}")

@@ -95,8 +95,8 @@ class ModelRunner:
                  lm_head_quant: Optional[str] = None, cuda_graph: Optional[bool] = None,
                  graph_buckets: Optional[tuple[int, ...]] = None):
         """``cuda_graph``: decode through the static step (engine.static_step), replayed from a CUDA
-        graph per batch-size bucket on CUDA (None: on for CUDA, off on CPU, where True runs the same
-        static-buffer step eagerly); ``graph_buckets``: its batch sizes (default from ``max_num_seqs``)."""
+        graph per batch-size bucket on CUDA (None: off, until it has been checked on a GPU; on CPU True runs
+        the same static-buffer step eagerly); ``graph_buckets``: its batch sizes (default from ``max_num_seqs``)."""
         self.model = model
         cfg = model.config
         self.config = cfg
@@ -127,7 +127,8 @@ class ModelRunner:
         if num_blocks is None:
             num_blocks = self._pool_blocks(kv_cache_memory, kv_cache_fraction, max_num_seqs)
         self.num_blocks = int(num_blocks)
-        static = (self.device.type == "cuda") if cuda_graph is None else bool(cuda_graph)
+        # off unless asked until the CUDA path has run on a GPU (scripts/gpu_check.sh runs it both ways)
+        static = bool(cuda_graph)
         # the static step's padding rows write to one scratch block past the block manager's range
         self.kv_cache = KVCache(self.num_layers, self.num_blocks + int(static), block_size, self.num_kv_heads,
                                 self.head_dim, self.dtype, kv_cache_dtype, self.device)
