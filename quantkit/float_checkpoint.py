@@ -14,12 +14,13 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.float_codecs import fp8, mxfp4, nvfp4
+from quantkit.float_codecs.fused_global_scale import shared_global_scales
 from quantkit.formats import ct_float_quantized, ct_mxfp4, ct_nvfp4
 from quantkit.formats.ct_float_layouts import LAYOUTS, args_from_config
 from quantkit.formats.registry import float_layout_for, get
@@ -56,29 +57,6 @@ def quantize_weight(weight: torch.Tensor, preset: SchemePreset,
         return ct_nvfp4.pack(q), q.dequantize()
     q = mxfp4.quantize(weight)
     return ct_mxfp4.pack(q), q.dequantize()
-
-
-# Linears a runtime fuses into one matmul (vLLM's qkv_proj, gate_up_proj, DeepSeek's fused_qkv_a_proj, Mixtral's
-# w13): NVFP4 keeps one global scale per fused weight, so these siblings must share theirs (llm-compressor's
-# observers/helpers.FUSED_LAYER_NAMES; transformers' MoE loader and vLLM keep one of the values otherwise).
-FUSED_SIBLINGS = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"),
-                  ("w1", "w3"))
-
-
-def shared_global_scales(model: torch.nn.Module, quantized: set[str]) -> dict[str, torch.Tensor]:
-    """{linear name: NVFP4 global scale} for quantized linears with fused siblings: one scale from the absmax
-    over all of them (`nvfp4.global_scale`), so each keeps its group scales within E4M3's range."""
-    out = {}
-    for parent_name, parent in model.named_modules():
-        for group in FUSED_SIBLINGS:
-            names = [f"{parent_name}.{c}" if parent_name else c for c in group
-                     if isinstance(getattr(parent, c, None), torch.nn.Linear)]
-            names = [n for n in names if n in quantized]
-            if len(names) < 2:
-                continue
-            amax = torch.stack([model.get_submodule(n).weight.detach().float().abs().amax() for n in names])
-            out.update(dict.fromkeys(names, nvfp4.global_scale(amax)))
-    return out
 
 
 def _args_config(a: QuantArgs) -> dict:
@@ -132,21 +110,35 @@ def _experts_as_linears(model: torch.nn.Module):
             setattr(parent, child, fused)
 
 
+METHODS = ("rtn", "gptq")
+
+
 def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
-          ignore: Iterable[str] = DEFAULT_IGNORE) -> dict[str, torch.Tensor]:
+          ignore: Iterable[str] = DEFAULT_IGNORE, method: str = "rtn", calibration: Optional[torch.Tensor] = None,
+          options: Optional[dict] = None, batch_size: int = 8, progress: bool = False) -> dict[str, torch.Tensor]:
     """Quantize every nn.Linear of a transformers model not matching `ignore` (regexes) and save it to `output`
     (a new folder; written in a staging folder beside it and renamed, so a failure leaves nothing behind).
     MoE experts are quantized one linear per expert and projection (the names compressed-tensors and vLLM
     read); routers and shared-expert gates stay in full precision, declared in the config's ignore list.
+    `method` "rtn" rounds each weight to nearest; "gptq" runs GPTQ on the preset's grid
+    (`quantizers.gptq_float`) through quantkit's layer-by-layer pipeline, calibrated on `calibration` (token
+    ids [samples, seq_len]) with `options` (damp_percent, block_size, desc_act, true_sequential); it leaves
+    `model`'s linears fake-quantized, as the pipeline does.
     Returns {module name: dequantized float32 weight}, what a reader should reconstruct."""
     out = Path(output)
     if out.exists():
         raise QuantkitError(f"output folder {out} already exists; choose a new folder")
     layout_of(preset)
+    if method not in METHODS:
+        raise QuantkitError(f"--scheme {preset.name} is written with --method {' or '.join(METHODS)}, not {method!r}")
+    if method == "rtn" and (calibration is not None or options):
+        raise QuantkitError("round-to-nearest reads no calibration data or options; drop them or use --method gptq")
+    results = _gptq_results(model, preset, tuple(ignore), calibration, options or {}, batch_size, progress) \
+        if method == "gptq" else None
     with _experts_as_linears(model) as adapter:
         rename = adapter.checkpoint_name if adapter is not None else (lambda n: n)
         full_precision = set(adapter.full_precision_modules(model)) if adapter is not None else set()
-        state, dequantized, skipped = _quantized_state(model, preset, tuple(ignore), full_precision)
+        state, dequantized, skipped = _quantized_state(model, preset, tuple(ignore), full_precision, results)
     state = {rename(k): v for k, v in state.items()}
     if not dequantized:
         raise QuantkitError("no linear layers left to quantize after the ignore list; loosen --ignore")
@@ -156,19 +148,47 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     return dequantized
 
 
+def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
+                  calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool) -> dict:
+    """{linear name: FloatResult} of GPTQ on the preset's grid, from quantkit's calibration pipeline."""
+    from quantkit.models import get_adapter
+    from quantkit.pipeline import quantize_model
+    from quantkit.quantizers.gptq_float import FloatGPTQ
+    from quantkit.scheme import LinearScheme
+
+    if calibration is None:
+        raise QuantkitError(f"--scheme {preset.name} with --method gptq needs calibration data (token ids)")
+    adapter = get_adapter(model)
+    full_precision = set(adapter.full_precision_modules(model))
+    names = [n for n in adapter.linear_shapes(model)
+             if n not in full_precision and not any(re.search(p, n) for p in patterns)]
+    step = FloatGPTQ(preset.weights, **options)
+    schemes = dict.fromkeys(names, LinearScheme(bits=preset.weights.bits, group_size=-1, sym=True))
+    return quantize_model(model, adapter, step, schemes, calibration, batch_size=batch_size, progress=progress)
+
+
 def _quantized_state(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
-                     full_precision: set[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
+                     full_precision: set[str], results: Optional[dict] = None
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
     """(the state dict with every quantized linear's weight replaced by its layout's tensors,
-    {module: dequantized weight}, the linears left in full precision)."""
+    {module: dequantized weight}, the linears left in full precision). With `results` (GPTQ's), each
+    linear's weight object comes from there instead of round-to-nearest."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     skipped = {n for n in linears if n in full_precision or any(re.search(p, n) for p in patterns)}
-    shared = shared_global_scales(model, set(linears) - skipped) if layout_of(preset) == ct_nvfp4.FORMAT else {}
+    rtn_nvfp4 = results is None and layout_of(preset) == ct_nvfp4.FORMAT
+    shared = shared_global_scales(model, set(linears) - skipped) if rtn_nvfp4 else {}
     dequantized = {}
     for name, module in linears.items():
         if name in skipped:
             continue
-        tensors, dequantized[name] = quantize_weight(module.weight.detach(), preset, shared.get(name))
+        if results is None:
+            tensors, dequantized[name] = quantize_weight(module.weight.detach(), preset, shared.get(name))
+        else:
+            if name not in results:
+                raise QuantkitError(f"GPTQ left {name} unquantized; this is a bug")
+            q = results[name].weight
+            tensors, dequantized[name] = LAYOUTS[layout_of(preset)].pack(q), q.dequantize()
         del state[f"{name}.weight"]
         state.update({f"{name}.{suffix}": t for suffix, t in tensors.items()})
     # tied parameters and per-expert views share storage; safetensors refuses that, so store independent copies

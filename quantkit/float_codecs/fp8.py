@@ -29,6 +29,10 @@ class Fp8Weight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.values.to(torch.float32) * _expand(self.scale, self)).to(dtype)
 
+    def element_scale(self) -> torch.Tensor:
+        """Each element's scale, [N, K]."""
+        return _expand(self.scale, self).expand(self.values.shape)
+
 
 def _expand(scale: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     """The scale broadcast to one entry per weight element."""

@@ -1,0 +1,68 @@
+"""A weight's float grid with its scales fixed in advance, for algorithms that choose the codes themselves (GPTQ).
+
+The scales are the format's own, computed from the original weight exactly as round-to-nearest computes them
+(`fp8`, `nvfp4` with its global scale, `mxfp4` with its E8M0 exponents), before any code is chosen, as GPTQ's
+static groups do. `round_columns` rounds columns onto the grid under those scales (the nearest E4M3 or E2M1
+value of w / scale, times scale), and `encode` turns a weight whose every element is on the grid into the
+layout's weight object (`Fp8Weight`, `Nvfp4Weight`, `Mxfp4Weight`), checked to dequantize back to it exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.float_codecs import e2m1, e4m3, e8m0, fp8, mxfp4, nvfp4
+from quantkit.scheme_presets import QuantArgs
+
+FloatWeight = Union[fp8.Fp8Weight, nvfp4.Nvfp4Weight, mxfp4.Mxfp4Weight]
+
+
+@dataclass
+class FixedFloatGrid:
+    rtn: FloatWeight  # round-to-nearest under these scales: the scales themselves, and the RTN baseline
+    step: torch.Tensor  # float32 [N, K]: each element's scale
+
+    @property
+    def fp8(self) -> bool:
+        return isinstance(self.rtn, fp8.Fp8Weight)
+
+    def round_columns(self, w: torch.Tensor, cols) -> torch.Tensor:
+        """Columns `cols` of a weight ([N] for one column index, [N, c] for several) rounded onto the grid."""
+        s = self.step[:, cols]
+        if self.fp8:
+            return e4m3.to_e4m3(w / s).to(torch.float32) * s
+        return e2m1.decode(e2m1.encode(w / s)) * s
+
+    def encode(self, w_hat: torch.Tensor) -> FloatWeight:
+        """The layout's weight object of `w_hat` (every element already on this grid)."""
+        q = self.rtn
+        if self.fp8:
+            out = fp8.Fp8Weight(e4m3.to_e4m3(w_hat / self.step), q.scale, q.strategy, q.block_size)
+        elif isinstance(q, nvfp4.Nvfp4Weight):
+            out = nvfp4.Nvfp4Weight(e2m1.encode(w_hat / self.step), q.group_scale, q.global_scale)
+        else:
+            out = mxfp4.Mxfp4Weight(e2m1.encode(w_hat / self.step), q.scale_codes)
+        if not torch.equal(out.dequantize(), w_hat):
+            raise QuantkitError("a weight chosen on a float grid does not encode back to itself; this is a bug")
+        return out
+
+
+def fixed_grid(weight: torch.Tensor, weights: QuantArgs, global_scale: Optional[torch.Tensor] = None) -> FixedFloatGrid:
+    """The format's scales for `weight` [N, K] under the weights args (FP8 tensor/channel/block, NVFP4 under
+    `global_scale` when given, MXFP4)."""
+    w = weight.detach().to(torch.float32)
+    if (weights.kind, weights.bits) == ("float", 8):
+        q = fp8.quantize(w, weights.strategy, weights.block_size)
+        step = q.element_scale()
+    elif weights.strategy == "tensor_group":
+        q = nvfp4.quantize(w, gscale=global_scale)
+        step = (q.group_scale.to(torch.float32) / q.global_scale).repeat_interleave(nvfp4.GROUP_SIZE, dim=1)
+    elif (weights.kind, weights.bits, weights.strategy) == ("float", 4, "group"):
+        q = mxfp4.quantize(w)
+        step = e8m0.decode(q.scale_codes).repeat_interleave(mxfp4.GROUP_SIZE, dim=1)
+    else:
+        raise QuantkitError(f"no fixed float grid for {weights.kind} {weights.bits}-bit {weights.strategy} weights")
+    return FixedFloatGrid(q, step.contiguous())

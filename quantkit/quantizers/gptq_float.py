@@ -1,0 +1,220 @@
+"""GPTQ on the float grids of the compressed-tensors presets (#47): FP8 (E4M3), NVFP4 and MXFP4 (E2M1).
+
+The column solve is GPTQ's (Frantar et al.; the blocked form with lazy updates, act-order by the Hessian's
+diagonal): each column is rounded, its error spread over the columns not yet rounded through the inverse
+Hessian's Cholesky factor. What differs from the integer solver (`gptq_core`) is the grid: a column is rounded
+to the nearest E4M3 / E2M1 value of w / scale, and the scales are the format's own, fixed from the original
+weight before the solve (`float_codecs.fixed_grid`: FP8 absmax / 448 per channel or block; NVFP4's E4M3 group
+scales under the global scale, shared by fused siblings; MXFP4's E8M0 exponents), as static groups fix
+integer scales. So the file holds exactly the format compressed-tensors defines, and only the codes move.
+
+`FloatGPTQ` is the step quantkit's layer-by-layer pipeline runs (`pipeline.quantize_model`: the same
+calibration flow as integer GPTQ, true-sequential, MoE experts on their routed tokens); its results are
+`FloatResult`s, which the pipeline fake-quantizes with and `float_checkpoint` writes.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.float_codecs import e8m0
+from quantkit.float_codecs.fixed_grid import FixedFloatGrid, FloatWeight, fixed_grid
+from quantkit.float_codecs.fp8 import Fp8Weight
+from quantkit.float_codecs.fused_global_scale import shared_global_scales
+from quantkit.float_codecs.nvfp4 import Nvfp4Weight
+from quantkit.quantizers.base import LayerContext, Quantizer
+from quantkit.quantizers.gptq_core import HessianAccumulator, HessianError, _cholesky_inverse_upper, _damp_schedule
+from quantkit.scheme import LinearScheme
+from quantkit.scheme_presets import QuantArgs
+
+
+@torch.no_grad()
+def gptq_on_float_grid(weight: torch.Tensor, H: torch.Tensor, grid: FixedFloatGrid, block_size: int = 128,
+                       damp_percent: float = 0.01, act_order: bool = True) -> tuple[torch.Tensor, dict]:
+    """GPTQ of weight [N, K] given the input Hessian H [K, K], every column rounded on `grid`. Returns the
+    float32 weight it chose (every element on the grid) and stats (loss: sum of err^2 / 2, damp, dead, seconds)."""
+    t0 = time.perf_counter()
+    n, k = weight.shape
+    if tuple(H.shape) != (k, k):
+        raise ValueError(f"Hessian shape {tuple(H.shape)} does not match in_features {k}")
+    W = weight.detach().to(torch.float32).clone()
+    H = H.detach().to(torch.float32).clone()
+    if not (bool(torch.isfinite(W).all()) and bool(torch.isfinite(H).all())):
+        raise HessianError("weight or Hessian holds NaN/inf; GPTQ cannot quantize it")
+    diag = torch.diagonal(H)
+    dead = diag == 0  # inputs the layer never saw: their weights cannot matter
+    H[dead, :] = 0
+    H[:, dead] = 0
+    diag[dead] = 1
+    W[:, dead] = 0
+    perm = torch.argsort(diag, descending=True, stable=True) if act_order else torch.arange(k)
+    W, H = W[:, perm], H[perm][:, perm]
+    mean_diag = float(torch.diagonal(H).mean())
+    Hinv = None
+    for pct in _damp_schedule(damp_percent):
+        Hd = H.clone()
+        torch.diagonal(Hd).add_(pct * mean_diag)
+        Hinv = _cholesky_inverse_upper(Hd)
+        if Hinv is not None:
+            break
+    if Hinv is None:
+        raise HessianError("GPTQ: the Hessian is not positive definite at any damping; use more calibration data")
+    cols = perm.tolist()
+    Q = torch.empty_like(W)
+    loss = torch.zeros((), dtype=torch.float64)
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.empty_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            w = W1[:, i]
+            q = grid.round_columns(w, cols[i1 + i])
+            Q[:, i1 + i] = q
+            err = (w - q) / Hinv1[i, i]
+            W1[:, i:].sub_(err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0))
+            Err1[:, i] = err
+        loss += float(Err1.square().sum()) / 2
+        W[:, i2:].sub_(Err1 @ Hinv[i1:i2, i2:])
+    w_hat = torch.empty_like(Q)
+    w_hat[:, perm] = Q
+    return w_hat, {"loss": float(loss), "damp": pct * mean_diag, "dead": int(dead.sum()),
+                   "seconds": time.perf_counter() - t0}
+
+
+class FloatResult:
+    """One linear quantized on a float grid: the layout's weight object, with what the pipeline asks of a
+    `QuantizedWeight` while it runs in memory (`dequantize` to fake-quantize, `scales` to check, `to`)."""
+
+    act_order = "none"
+
+    def __init__(self, weight: FloatWeight, bias: Optional[torch.Tensor] = None, stats: Optional[dict] = None):
+        self.weight, self.bias, self.stats = weight, bias, stats or {}
+
+    @property
+    def scales(self) -> torch.Tensor:
+        w = self.weight
+        if isinstance(w, Fp8Weight):
+            return w.scale
+        if isinstance(w, Nvfp4Weight):
+            return w.group_scale.to(torch.float32) / w.global_scale
+        return e8m0.decode(w.scale_codes)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.weight.dequantize(dtype)
+
+    def to(self, device) -> "FloatResult":
+        if torch.device(device).type != "cpu":
+            raise QuantkitError("float-grid GPTQ keeps its results on the CPU")
+        return self
+
+
+class FloatGPTQ(Quantizer):
+    """GPTQ onto a float preset's weight grid (see the module docstring). Not a registered method: the float
+    presets' writer (`float_checkpoint.write(method="gptq")`) builds it with the preset's weights args."""
+
+    name = "gptq"
+    calibration_stream = "quantized"
+    options_spec = {"damp_percent": 0.01, "block_size": 128, "desc_act": True, "true_sequential": True}
+
+    def __init__(self, weights: QuantArgs, **options):
+        super().__init__(**options)
+        if not 0 < float(self.options["damp_percent"]) < 1:
+            raise QuantkitError(f"damp_percent must be in (0, 1), got {self.options['damp_percent']}")
+        if int(self.options["block_size"]) < 1:
+            raise QuantkitError(f"block_size must be positive, got {self.options['block_size']}")
+        self.weights = weights
+        self._hessians: dict[str, HessianAccumulator] = {}
+        self._last_input, self._last_acc = None, None
+        self._stage_mates: dict[str, list[str]] = {}
+        self._stacked: dict[str, FloatResult] = {}
+        self._global_scales: dict[str, torch.Tensor] = {}
+        self._ctx: Optional[LayerContext] = None
+
+    def begin_layer(self, ctx: LayerContext) -> None:
+        self._ctx = ctx
+        self._stage_mates = {n: [m for m in stage if m != n] for stage in self.stages(ctx) for n in stage}
+        # NVFP4: fused siblings share one global scale, from their original weights (before any is rounded)
+        self._global_scales = (shared_global_scales(ctx.layer, set(ctx.schemes))
+                               if self.weights.strategy == "tensor_group" else {})
+
+    def stages(self, ctx: LayerContext) -> list[list[str]]:
+        if self.options["true_sequential"]:
+            return ctx.adapter.sequential_stages(ctx.layer)
+        return super().stages(ctx)
+
+    def quantize_in_forward(self) -> bool:
+        return bool(self.options["true_sequential"])
+
+    def observe(self, name: str, module: nn.Module, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
+        if x is self._last_input:  # q/k/v (gate/up) read the same tensor: one Hessian for them
+            self._hessians.setdefault(name, self._last_acc)
+            if self._hessians[name] is self._last_acc:
+                return
+        acc = self._hessians.get(name)
+        if acc is None:
+            acc = self._hessians[name] = HessianAccumulator(module.in_features, device=x.device,
+                                                            layout=self._ctx.row_layout(name) if self._ctx else None)
+        acc.add_batch(x)
+        self._last_input, self._last_acc = x, acc
+
+    def _grid(self, name: str, weight: torch.Tensor) -> FixedFloatGrid:
+        return fixed_grid(weight, self.weights, self._global_scales.get(name))
+
+    def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme) -> FloatResult:
+        if name in self._stacked:
+            return self._stacked.pop(name)
+        acc = self._hessians.pop(name, None)
+        if acc is not None and acc is self._last_acc:
+            self._last_input = self._last_acc = None
+        if acc is not None:
+            acc.finish()
+        if acc is None or acc.n_samples == 0:
+            if acc is not None and acc.n_dropped:  # every row reaching it was NaN/inf: round to nearest
+                return self.quantize_uncalibrated(name, module, scheme)
+            raise QuantkitError(f"GPTQ saw no calibration inputs for {name}; check the dataset")
+        # stage mates reading the same input are solved as one matrix (GPTQ treats rows independently)
+        mates = [m for m in self._stage_mates.get(name, ()) if self._hessians.get(m) is acc]
+        linears = [(name, module)] + [(m, self._ctx.layer.get_submodule(m)) for m in mates]
+        for m in mates:
+            del self._hessians[m]
+        grids = [self._grid(n, lin.weight.data) for n, lin in linears]
+        grid = grids[0] if len(grids) == 1 else FixedFloatGrid(grids[0].rtn, torch.cat([g.step for g in grids]))
+        weight = torch.cat([lin.weight.data for _, lin in linears]).float()
+        o = self.options
+        w_hat, stats = gptq_on_float_grid(weight, acc.hessian().to(weight.device), grid, int(o["block_size"]),
+                                          float(o["damp_percent"]), bool(o["desc_act"]))
+        start = 0
+        for (n, lin), g in zip(linears, grids):
+            rows = slice(start, start + lin.out_features)
+            start = rows.stop
+            bias = None if lin.bias is None else lin.bias.detach().clone()
+            self._stacked[n] = FloatResult(g.encode(w_hat[rows].contiguous()), bias, stats)
+        return self._stacked.pop(name)
+
+    def quantize_uncalibrated(self, name: str, module: nn.Linear, scheme: LinearScheme) -> FloatResult:
+        """Round to nearest under the format's scales (a MoE expert too few tokens reached)."""
+        self.discard(name)
+        bias = None if module.bias is None else module.bias.detach().clone()
+        return FloatResult(self._grid(name, module.weight.data).rtn, bias, {"fallback": "rtn"})
+
+    def round_to_nearest(self, module: nn.Linear, scheme: LinearScheme) -> FloatResult:
+        bias = None if module.bias is None else module.bias.detach().clone()
+        return FloatResult(self._grid("", module.weight.data).rtn, bias)
+
+    def discard(self, name: str) -> None:
+        acc = self._hessians.pop(name, None)
+        self._stacked.pop(name, None)
+        if acc is not None and acc is self._last_acc:
+            self._last_input = self._last_acc = None
+
+    def end_layer(self, ctx: LayerContext) -> None:
+        self._hessians.clear()
+        self._stacked.clear()
+        self._global_scales = {}
+        self._ctx = None
+        self._last_input, self._last_acc = None, None
