@@ -255,7 +255,7 @@ def test_quantize_to_gguf_reads_back_bit_for_bit(tmp_path, tiny256, method, gguf
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert last_json(proc.stdout)["gguf_type"] == gguf_type
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "chat_template.jinja", "config.json", "model.gguf",
-                                                     "tokenizer.json", "tokenizer_config.json"]
+                                                     "recipe.yaml", "tokenizer.json", "tokenizer_config.json"]
     from quantkit.runtime.loader import load_model, load_tokenizer
 
     model = load_model(str(out))
