@@ -183,15 +183,10 @@ def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = Non
         if isinstance(value, str) and not value.strip():
             raise QuantkitError(f"{flag} is empty; give a value or leave the option out")
     rec = read_recipe_file(recipe_file) if recipe_file else {}
-    if scheme is None and isinstance(rec.get("scheme"), str):
-        scheme, rec = rec["scheme"], {**rec, "scheme": None}
-    elif scheme is not None:
-        rec = {**rec, "scheme": None}  # the named scheme replaces the recipe's
-    preset = None
-    if scheme is not None:
-        preset, method, flags = _preset_flags(scheme, method if method is not None else rec.get("method"),
-                                              bits=bits, group_size=group_size, sym=sym, format=format)
-        bits, group_size, sym, format = flags
+    flags_given = scheme is not None or any(v is not None for v in (method, bits, group_size, sym, format)) \
+        or bool(ignore) or bool(options)  # then a recipe.yaml's per-linear schemes no longer bind
+    preset, rec, (method, bits, group_size, sym, format) = _named_scheme(scheme, rec, method, bits, group_size, sym,
+                                                                         format)
     recipe = build_recipe(method if method is not None else rec.get("method", DEFAULT_METHOD),
                           {**(rec.get("options") or {}), **(options or {})})
     if preset is not None and preset.weights.kind == "float":
@@ -205,12 +200,28 @@ def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = Non
         raise QuantkitError("--gguf-type needs --format gguf")
     elif preset is None or preset.weights.kind != "float":
         _check_format(recipe, format_name)
-    given = scheme is not None or any(v is not None for v in (method, bits, group_size, sym, format)) or bool(ignore) \
-        or bool(options)
-    replay = replay_of(rec, str(recipe_file), calibration or {}, given) if rec else None
+    replay = replay_of(rec, str(recipe_file), calibration or {}, flags_given) if rec else None
     return QuantizePlan(recipe=recipe, scheme=quant_scheme, format=format_name, gguf_type=gguf_type, preset=preset,
                         replay=replay,
                         calibration=_calibration(recipe, rec.get("calibration") or {}, calibration or {}))
+
+
+def _named_scheme(scheme: Optional[str], rec: dict, method, bits, group_size, sym, format):
+    """(the preset or None, the recipe without a scheme the preset replaces, (method, bits, group_size, sym,
+    format) as the preset sets them). The name comes from --scheme, else the recipe's `scheme: NAME`, else
+    a recipe.yaml's `resolved.preset` (an integer preset written out as its bits and group size)."""
+    from quantkit.scheme_presets import preset as preset_named
+
+    recorded = (rec.get("resolved") or {}).get("preset")
+    if scheme is None and isinstance(rec.get("scheme"), str):
+        scheme = rec["scheme"]
+    elif scheme is None and recorded is not None and bits is None and group_size is None and sym is None:
+        return preset_named(recorded), rec, (method, bits, group_size, sym, format)
+    if scheme is None:
+        return None, rec, (method, bits, group_size, sym, format)
+    p, method, flags = _preset_flags(scheme, method if method is not None else rec.get("method"), bits=bits,
+                                     group_size=group_size, sym=sym, format=format)
+    return p, {**rec, "scheme": None}, (method, *flags)
 
 
 def _preset_flags(name: str, method, *, bits, group_size, sym, format):

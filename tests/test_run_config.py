@@ -223,6 +223,7 @@ def test_an_integer_scheme_is_its_flags(tiny_wide_dir, tmp_path):
     assert recipe_of(tmp_path / "named")["resolved"]["preset"] == "W4A16"
     run("--recipe", tmp_path / "named" / "recipe.yaml", "--output", tmp_path / "again")
     assert shas(tmp_path / "again") == shas(tmp_path / "named")
+    assert recipe_of(tmp_path / "again") == recipe_of(tmp_path / "named")  # the preset's name kept
 
 
 def test_a_float_scheme_is_float_checkpoints_rtn_and_replays(tiny_wide_dir, tmp_path):
