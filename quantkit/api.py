@@ -270,7 +270,7 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
     output = Path(args["output"]) if args["output"] is not None else \
         Path(f"{Path(base_name).name.lower()}-rtn-{p.name.lower()}")
     _check_output(output, args["overwrite"], False, source_ref)
-    stage = staging_dir(output)
+    stage = staging_dir(output).with_name(f".{output.name}.float-partial")  # never an integer run's resumable one
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     try:
