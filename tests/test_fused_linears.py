@@ -98,3 +98,11 @@ def test_allocation_gives_a_fused_group_one_scheme():
     choice = mixture.allocate(rows, budget_bytes=700)  # room for the whole group at 8 bits
     assert {choice[f"{ATTN}.{leaf}"]["scheme"] for leaf in ("q_proj", "k_proj", "v_proj")} == {"w8g32"}
     assert sum(r["bytes"] for r in choice.values()) <= 700
+
+
+def test_a_fused_group_partly_ignored_is_refused_for_vllm_but_a_lone_q_proj_is_not():
+    specs = _layer(qkv=64, gate_up=64)
+    del specs[f"{ATTN}.v_proj"]  # v_proj ignored: vLLM's qkv_proj would be half quantized
+    assert "only some" in vllm_refusal("gptq", specs)
+    lone = {f"{ATTN}.q_proj": _spec(64), f"{ATTN}.o_proj": _spec(64)}  # MLA-like: q_proj with no k/v siblings
+    assert vllm_refusal("gptq", lone) is None

