@@ -185,6 +185,20 @@ def test_a_moe_run_records_its_expert_policy_and_replays(tiny_llama_dir, tmp_pat
     assert shas(tmp_path / "again") == shas(tmp_path / "first")
 
 
+def test_a_size_budgets_mixture_is_in_the_recipe_and_replays_without_measuring(tiny_llama_dir, tmp_path):
+    report = tmp_path / "report"
+    api.sensitivity(str(tiny_llama_dir), "gptq", group_size=32, num_samples=4, seq_len=32, eval_windows=2,
+                    eval_seq_len=32, candidate_bits=(2, 4, 8), output=report, progress=False)
+    first = quantkit.quantize(str(tiny_llama_dir), "gptq", group_size=32, num_samples=4, seq_len=32,
+                              output=tmp_path / "mix", target_bits=3.5, sensitivity=report, progress=False).output
+    rec = recipe_of(first)
+    bits = {r["bits"] for r in rec["resolved"]["linears"].values()}
+    assert len(bits) > 1 and rec["scheme"]["overrides"] and rec["resolved"]["allocation"]
+    shutil.rmtree(report)  # the replay reads the mixture from the recipe, not the report
+    run("--recipe", first / "recipe.yaml", "--output", tmp_path / "again")
+    assert shas(tmp_path / "again") == shas(first)
+
+
 @pytest.mark.parametrize("where, key", [(None, "bogus"), ("calibration", "tokens_hash"), ("resolved", "linear"),
                                         ("source", "trust_remote_code"), ("output", "folder"), ("scheme", "bitz")])
 def test_an_unknown_key_in_recipe_yaml_is_refused(gptq_checkpoint, tmp_path, where, key):
