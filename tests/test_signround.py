@@ -48,6 +48,32 @@ def test_the_start_state_is_the_quantizers_solution_bit_for_bit(act_order):
             assert torch.equal(start.dequantized(start.factor, start.offset), qw.dequantize())
 
 
+@pytest.mark.parametrize("act_order", [True, False])
+def test_gptq_returns_the_weights_it_rounded_and_the_rounded_start_reproduces_its_codes(act_order):
+    """gptq_quantize(return_rounded=True): rounding those weights to nearest on the result's own grid
+    (plain torch: scale and zero of each column's group) gives GPTQ's codes exactly; the first column
+    GPTQ processes had no earlier error to take, so it is the unquantized column; the later ones were
+    moved. TunedLinear's "rounded" start reproduces the codes and sits where they lie inside the bins."""
+    from quantkit.quantizers.gptq_core import gptq_quantize
+
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 128, generator=gen)
+    x = torch.randn(512, 128, generator=gen) @ (torch.eye(128) + 0.3 * torch.randn(128, 128, generator=gen))
+    qw, stats = gptq_quantize(weight, x.t() @ x, bits=4, group_size=32, sym=True, act_order=act_order,
+                              static_groups=act_order, mse=True, return_rounded=True)
+    rounded = stats["rounded"]
+    cols = qw.g_idx.long()
+    scale, zero = qw.scales[:, cols], qw.zeros[:, cols].float()
+    assert torch.equal(torch.clamp(torch.round(rounded / scale) + zero, 0, 15).to(torch.uint8), qw.qweight)
+    first = int(torch.argmax(torch.diagonal(x.t() @ x))) if act_order else 0
+    assert torch.equal(rounded[:, first], weight[:, first])
+    assert not torch.equal(rounded, weight)
+    start = TunedLinear.start_from("w", qw, weight, "cpu", "rounded", rounded)
+    assert torch.equal(start.result(start.factor, start.offset).qweight, qw.qweight)
+    inside = ((rounded / scale) - torch.round(rounded / scale)).clamp(-0.499, 0.499)
+    assert torch.allclose(start.start - (qw.qweight.float() - zero), inside, rtol=0, atol=1e-6)
+
+
 HELD_OUT = [8 * k + 7 for k in range(8)]  # 64 sequences: the last of each of the 8 shards is held out
 
 

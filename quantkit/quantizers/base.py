@@ -47,6 +47,8 @@ class LayerContext:
     # where `inputs` sit in the whole calibration set (data-parallel ranks hold a share of it): every
     # sum, maximum or sample a step takes over the inputs goes through it (see quantkit.reduction)
     samples: Optional[SampleLayout] = None
+    # for refiners: the quantizer's Quantizer.rounded_weight (the recipe sets it before refine_layer)
+    rounded_weight: Optional[Callable[[str], Optional[torch.Tensor]]] = None
 
     def row_layout(self, name: str) -> Optional[SampleLayout]:
         """The layout a sum over linear `name`'s input rows follows: `samples`, except for a routed
@@ -176,6 +178,16 @@ class Quantizer(Step):
 
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme) -> QuantizedWeight:
         raise NotImplementedError
+
+    # set by the recipe when a refiner asks for `rounded_weight` (keeping them costs a copy per linear)
+    keep_rounded: bool = False
+
+    def rounded_weight(self, name: str) -> Optional[torch.Tensor]:
+        """The fp32 weight of linear `name` (relative to the current layer) whose round-to-nearest on
+        the result's grid gives the result's codes, until `end_layer`: GPTQ's weights as each column was
+        when it was rounded, with the earlier columns' errors compensated. None where the quantizer
+        keeps none (a refiner then starts from the unquantized weight)."""
+        return None
 
     uncalibrated_method: ClassVar[str] = "rtn"  # what `quantize_uncalibrated` does, for the model card
 

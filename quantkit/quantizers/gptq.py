@@ -64,6 +64,7 @@ class GPTQQuantizer(Quantizer):
         self._last_input, self._last_acc, self._last_cross = None, None, None
         self._stage_mates: dict[str, list[str]] = {}
         self._stacked: dict[str, tuple] = {}  # results solved along with an earlier linear of the stage
+        self._rounded: dict[str, torch.Tensor] = {}  # this layer's rounded_weight, when keep_rounded
         self._ctx: LayerContext | None = None
         self.solver = SharedSolver()  # data-parallel runs: each rank solves a share of the rows
         self.layer_stats: dict[str, dict] = {}
@@ -148,8 +149,9 @@ class GPTQQuantizer(Quantizer):
             comm, name, weight if grid is None else grid.shifted(weight), H, bits=scheme.bits, group_size=scheme.group_size,
             sym=scheme.sym, block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
             act_order=bool(o["desc_act"]), static_groups=bool(o["static_groups"]), mse=bool(o["mse"]),
-            qparams=None if grid is None else (grid.scale, grid.zero),
+            qparams=None if grid is None else (grid.scale, grid.zero), return_rounded=self.keep_rounded and grid is None,
         )
+        rounded = stats.pop("rounded", None)
         if grid is not None:  # the codes GPTQ chose on the fixed grid, with the grid's offsets and k-quant scales
             qw = grid.on_grid(qw.qweight)
         row_loss = stats.pop("row_loss")
@@ -159,13 +161,19 @@ class GPTQQuantizer(Quantizer):
             start = rows.stop
             part = replace(qw.select_rows(rows), bias=None if lin.bias is None else lin.bias.detach().clone())
             part_stats = {**stats, "loss": float(row_loss[rows].sum())}
+            if rounded is not None:
+                self._rounded[n] = rounded[rows].cpu()
             if mates:
                 part_stats["solved_with"] = [m for m, _ in linears if m != n]
             self._stacked[n] = (part, part_stats)
         qw, self.layer_stats[name] = self._stacked.pop(name)
         return qw
 
+    def rounded_weight(self, name: str) -> torch.Tensor | None:
+        return self._rounded.get(name)
+
     def discard(self, name: str) -> None:
+        self._rounded.pop(name, None)
         acc = self._hessians.pop(name, None)
         self._crosses.pop(name, None)
         self._stacked.pop(name, None)
@@ -184,6 +192,7 @@ class GPTQQuantizer(Quantizer):
         self._hessians.clear()
         self._crosses.clear()
         self._stacked.clear()
+        self._rounded.clear()
         self._ctx = None
         self._last_input, self._last_acc, self._last_cross = None, None, None
 

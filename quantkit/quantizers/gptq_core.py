@@ -373,7 +373,7 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
                   block_size: int = 128, damp_percent: float = 0.01, act_order: bool = False,
                   static_groups: bool = False, mse: bool = False, bias: Optional[torch.Tensor] = None,
                   return_dequant: bool = False, qparams: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                  ) -> tuple[QuantizedWeight, dict]:
+                  return_rounded: bool = False) -> tuple[QuantizedWeight, dict]:
     """Quantize weight [N, K] with GPTQ given the layer-input Hessian H [K, K].
 
     `qparams` = (scale, zero), float32 [N, K / group_size] each: a grid fixed in advance by a target
@@ -382,7 +382,9 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
     Returns the QuantizedWeight in the original column order and a stats dict:
     loss (the reference "error": sum of err^2 / 2), damp (absolute value added to diag H),
     damp_percent (the one that succeeded), dead (dead input channels), seconds; with
-    return_dequant=True also "dequant": the fp32 matrix the algorithm quantized to (original order).
+    return_dequant=True also "dequant": the fp32 matrix the algorithm quantized to (original order);
+    return_rounded=True also "rounded": the weights as each column was when it was rounded (updated by
+    the earlier columns' errors; its codes are their round-to-nearest), fp32, original order.
     Raises HessianError (a ValueError) for non-finite inputs or a Hessian no damping can fix.
     """
     t0 = time.perf_counter()
@@ -541,4 +543,7 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
     }
     if return_dequant:
         stats["dequant"] = Qmat[:, invperm] if invperm is not None else Qmat
+    if return_rounded:  # WT's column j is no longer updated once column j is rounded
+        rounded = WT.t()
+        stats["rounded"] = (rounded[:, invperm] if invperm is not None else rounded).contiguous()
     return qw, stats

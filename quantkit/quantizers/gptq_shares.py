@@ -103,4 +103,5 @@ class SharedSolver:
         gather = comm.gather_rows
         whole = replace(qw, qweight=gather(qw.qweight), scales=gather(qw.scales), zeros=gather(qw.zeros))
         row_loss = gather(stats["row_loss"])
-        return whole, {**stats, "row_loss": row_loss, "loss": float(row_loss.sum())}
+        extra = {"rounded": gather(stats["rounded"])} if "rounded" in stats else {}
+        return whole, {**stats, **extra, "row_loss": row_loss, "loss": float(row_loss.sum())}

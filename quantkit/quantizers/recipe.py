@@ -41,6 +41,7 @@ class Recipe:
         self.transforms: tuple[Transform, ...] = head[:-1]  # type: ignore[assignment]
         self.quantizer: Quantizer = head[-1]  # type: ignore[assignment]
         self.refiners: tuple[Refiner, ...] = refiners  # type: ignore[assignment]
+        self.quantizer.keep_rounded = any(getattr(r, "needs_rounded_weights", False) for r in refiners)
 
     @classmethod
     def of(cls, method: Union["Recipe", Step, type]) -> "Recipe":
@@ -172,6 +173,7 @@ class Recipe:
                      compute_dtype: torch.dtype) -> dict[str, QuantizedWeight]:
         """The layer's quantized results as the refiners leave them, in order (the results unchanged
         when the recipe has none)."""
+        ctx.rounded_weight = self.quantizer.rounded_weight
         for r in self.refiners:
             results = r.refine_layer(ctx, results, device, compute_dtype)
         return results

@@ -66,7 +66,7 @@ class TunedLinear:
 
     @classmethod
     def start_from(cls, name: str, qw: QuantizedWeight, weight: torch.Tensor, device,
-                   start_position: str = "rtn") -> "TunedLinear":
+                   start_position: str = "rtn", rounded: torch.Tensor | None = None) -> "TunedLinear":
         if qw.offsets is not None or qw.two_level is not None:
             raise QuantkitError(f"signround tunes integer grids with a zero point; {name} is on a float-offset "
                                 "(GGUF) grid: drop signround from the recipe for GGUF output")
@@ -75,6 +75,17 @@ class TunedLinear:
         zeros = qw.zeros.float().index_select(1, columns)
         scale = qw.scales.float().index_select(1, columns)
         weight = weight.detach().to(device=device, dtype=torch.float32)
+        codes = qw.qweight.float() - zeros
+        if start_position == "rounded" and rounded is not None:
+            # the weights the quantizer rounded to nearest (GPTQ: each column with the earlier columns'
+            # errors compensated) take the unquantized weight's place, so the position inside the bin
+            # says how close the quantizer came to choosing the other code: the signed steps flip the
+            # nearly indifferent codes first, as auto-round's do from round-to-nearest. Used only
+            # where it reproduces the codes (a transform's finalize may have changed them).
+            candidate = rounded.detach().to(device=device, dtype=torch.float32)
+            low, high = -zeros, float((1 << qw.bits) - 1) - zeros
+            if torch.equal(torch.minimum(torch.maximum(torch.round(candidate / scale), low), high), codes):
+                weight = candidate
         over = weight / scale
         # where round-to-nearest's position lies in its bin, carried into the quantizer's bin: the
         # positions are spread over the bins as auto-round's are, so the signed steps flip codes one by
@@ -82,7 +93,7 @@ class TunedLinear:
         within = (over - torch.round(over)).clamp_(-START_WITHIN, START_WITHIN)
         if start_position == "centre":
             within.zero_()
-        return cls(name=name, qw=qw, weight=weight, columns=columns, start=(qw.qweight.float() - zeros) + within,
+        return cls(name=name, qw=qw, weight=weight, columns=columns, start=codes + within,
                    weight_over_scale=over, low=-zeros, high=float((1 << qw.bits) - 1) - zeros,
                    offset=torch.zeros_like(weight), factor=torch.ones_like(qw.scales, dtype=torch.float32))
 
@@ -127,7 +138,9 @@ class SignRoundRefiner(Refiner):
         # of the gradient says they save)
         "step_rule": "sign",
         # where each weight sits inside its quantizer's bin at the start: "rtn" (where round-to-nearest
-        # put it in its own bin, as auto-round starts) or "centre" (every offset 1/2 from a boundary)
+        # put it in its own bin, as auto-round starts), "rounded" (where the weight the quantizer rounded
+        # lies, GPTQ's with the earlier columns' errors compensated: auto-round's parametrisation with
+        # that weight as W, V = 0 its codes) or "centre" (every offset 1/2 from a boundary)
         "start_position": "rtn",
         # |V| bound: None is 0.5 from the "rtn" start (auto-round's) and 1 from the "centre" start (a
         # position 1/2 from a boundary must be able to cross it); a code moves at most one step either way
@@ -150,8 +163,9 @@ class SignRoundRefiner(Refiner):
                 raise QuantkitError(f"signround option {key} must be a positive number, got {v!r}")
         if o["step_rule"] not in ("sign", "scaled"):
             raise QuantkitError(f"signround option step_rule must be sign or scaled, got {o['step_rule']!r}")
-        if o["start_position"] not in ("rtn", "centre"):
-            raise QuantkitError(f"signround option start_position must be rtn or centre, got {o['start_position']!r}")
+        if o["start_position"] not in ("rtn", "centre", "rounded"):
+            raise QuantkitError(f"signround option start_position must be rounded, rtn or centre, got {o['start_position']!r}")
+        self.needs_rounded_weights = o["start_position"] == "rounded"  # the recipe reads it
         rng = o["scale_range"]
         if (not isinstance(rng, (list, tuple)) or len(rng) != 2
                 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in rng)
@@ -251,8 +265,10 @@ class _LayerRun:
 
     def tune(self, results: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
         ctx, o = self.ctx, self.step.options
+        rounded = ctx.rounded_weight or (lambda name: None)
         linears = [TunedLinear.start_from(n[len(ctx.prefix):], qw, ctx.reference_layer.get_submodule(
-            n[len(ctx.prefix):]).weight, self.device, o["start_position"]) for n, qw in results.items()]
+            n[len(ctx.prefix):]).weight, self.device, o["start_position"], rounded(n[len(ctx.prefix):]))
+            for n, qw in results.items()]
         scaled = o["step_rule"] == "scaled"
         keys = [f"{t.name}.weight" for t in linears]
         lo, hi = (float(v) for v in o["scale_range"])
