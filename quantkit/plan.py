@@ -148,7 +148,11 @@ def recipe_run_defaults(recipe_file) -> dict[str, Any]:
     if not recipe_file:
         return {}
     rec = read_recipe_file(recipe_file)
-    return {k: v for k, v in {**(rec.get("source") or {}), **(rec.get("output") or {})}.items() if v is not None}
+    recorded = {k: v for k, v in {**(rec.get("source") or {}), **(rec.get("output") or {})}.items() if v is not None}
+    for key, value in recorded.items():
+        if not isinstance(value, str) and not (key == "max_shard_size" and type(value) is int):
+            raise QuantkitError(f"recipe {recipe_file}: {key} must be a string, got {value!r}; fix the file")
+    return recorded
 
 
 def _refuse_unknown(d: dict, allowed: set, where: str) -> None:
