@@ -76,14 +76,18 @@ def replay_of(data: dict, source: str, given_calibration: dict, scheme_flags_giv
     resolved = data.get("resolved") or {}
     if not resolved and "tokens_sha256" not in cal:
         return None
+    if not isinstance(cal.get("tokens_sha256", ""), str):
+        raise QuantkitError(f"recipe {source} section 'calibration': tokens_sha256 must be a SHA-256 hex string")
     in_memory = "tokens_sha256" in cal and cal.get("dataset") is None
     if in_memory and given_calibration.get("dataset") is None:
         raise QuantkitError(f"recipe {source} was calibrated on in-memory data ({cal.get('tokens_source')}); pass the "
                             "same tokens again with dataset= (the Python API), or --dataset to calibrate on other text")
-    overridden = any(given_calibration.get(k) is not None and given_calibration[k] != cal.get(k)
-                     for k in ("num_samples", "seq_len", "seed", "chat_template")) or \
-        (not in_memory and given_calibration.get("dataset") not in (None, cal.get("dataset")))
+    given = {k: v for k, v in given_calibration.items() if v is not None and v is not False}  # False: a flag not given
+    overridden = any(k in given and given[k] != cal.get(k) for k in ("num_samples", "seq_len", "seed", "chat_template")) \
+        or (not in_memory and given.get("dataset") not in (None, cal.get("dataset")))
     linears = resolved.get("linears")
+    if linears is not None and not isinstance(linears, dict):
+        raise QuantkitError(f"recipe {source} section 'resolved': linears must map each linear's name to its scheme")
     if linears is not None:
         linears = MappingProxyType({n: _linear_row(n, r, source) for n, r in linears.items()})
     return Replay(source=source, source_model=(data.get("source") or {}).get("model"),
