@@ -20,6 +20,8 @@ Schemes (matching quantkit's method defaults unless a flag says otherwise):
                search, shrinking each group's range by up to 20 %, error norm 2.4)
   smoothquant  SmoothQuantModifier(0.5) + QuantizationModifier W8A8: int8 symmetric per-channel
                weights, int8 dynamic per-token symmetric activations
+  --scheme P   gptq / rtn onto compressed-tensors preset P (FP8_DYNAMIC, NVFP4A16, MXFP4A16, ...) with the
+               modifier's own defaults for it (scripts/bench_float_schemes.py)
 
 The checkpoint is saved with save_compressed=True (compressed-tensors pack-quantized for W4A16,
 int-quantized for W8A8). The last stdout line is one JSON object; "seconds" is the oneshot call only,
@@ -64,10 +66,18 @@ ACTORDER_CHOICES = ("default", "none", "static", "weight")
 
 
 def build_recipe(method: str, bits: int, group_size: int, symmetric: bool, actorder: str = "none",
-                 observer: str | None = None):
+                 observer: str | None = None, scheme: str | None = None):
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     ignore = ["lm_head"]
+    if scheme is not None:  # a compressed-tensors preset (FP8_DYNAMIC, NVFP4A16, MXFP4A16...), its own defaults
+        if method == "gptq":
+            from llmcompressor.modifiers.gptq import GPTQModifier
+
+            return [GPTQModifier(targets="Linear", scheme=scheme, ignore=ignore, dampening_frac=0.01, block_size=128)]
+        if method == "rtn":
+            return [QuantizationModifier(targets="Linear", scheme=scheme, ignore=ignore)]
+        raise SystemExit(f"--scheme applies to --method gptq or rtn, not {method}")
     if method == "gptq":
         from llmcompressor.modifiers.gptq import GPTQModifier
 
@@ -138,6 +148,8 @@ def main() -> None:
                     help='gptq only: "default" leaves it to llm-compressor (static); default here: none')
     ap.add_argument("--observer", default=None,
                     help="rtn only: llm-compressor's weight observer by its registered name (default: its own default)")
+    ap.add_argument("--scheme", default=None,
+                    help="gptq/rtn: a compressed-tensors preset name (e.g. NVFP4A16) instead of --bits/--group-size")
     sym = ap.add_mutually_exclusive_group()
     sym.add_argument("--sym", dest="sym", action="store_true", default=None, help="symmetric weights")
     sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric weights (zero point)")
@@ -168,7 +180,7 @@ def main() -> None:
     model.eval()
     workarounds = disable_pinning_without_accelerator() if args.method == "awq" else []
 
-    recipe = build_recipe(args.method, args.bits, args.group_size, args.sym, args.actorder, args.observer)
+    recipe = build_recipe(args.method, args.bits, args.group_size, args.sym, args.actorder, args.observer, args.scheme)
     t0 = time.perf_counter()
     oneshot(model=model, tokenizer=tokenizer, recipe=recipe, dataset=ds, num_calibration_samples=num_samples,
             max_seq_length=seq_len, batch_size=args.batch_size, shuffle_calibration_samples=False)

@@ -122,3 +122,14 @@ def test_method_and_calibration_are_checked(tmp_path):
     with pytest.raises(QuantkitError, match="written with --method rtn or gptq, not 'awq'"):
         write(tiny_model("llama"), preset("MXFP4A16"), tmp_path / "b", method="awq")
     assert not list(tmp_path.iterdir())
+
+
+def test_fast_e2m1_rounding_is_decode_of_encode():
+    from quantkit.float_codecs import e2m1
+
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 1e9, 0.0])
+    x = torch.cat([torch.randn(100000, generator=torch.Generator().manual_seed(0)) * 3, ties, -ties])
+    want, got = e2m1.decode(e2m1.encode(x)), e2m1.nearest_value(x)
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+    off_ties = x[~torch.isin(x.abs(), ties)]  # away from ties the brute-force search agrees
+    assert torch.equal(e2m1.nearest_value(off_ties).abs(), nearest(off_ties, E2M1).abs())

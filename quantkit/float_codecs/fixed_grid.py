@@ -2,7 +2,7 @@
 
 The scales are the format's own, computed from the original weight exactly as round-to-nearest computes them
 (`fp8`, `nvfp4` with its global scale, `mxfp4` with its E8M0 exponents), before any code is chosen, as GPTQ's
-static groups do. `round_columns` rounds columns onto the grid under those scales (the nearest E4M3 or E2M1
+static groups do. `round_column` rounds a column onto the grid under those scales (the nearest E4M3 or E2M1
 value of w / scale, times scale), and `encode` turns a weight whose every element is on the grid into the
 layout's weight object (`Fp8Weight`, `Nvfp4Weight`, `Mxfp4Weight`), checked to dequantize back to it exactly.
 """
@@ -25,16 +25,16 @@ class FixedFloatGrid:
     rtn: FloatWeight  # round-to-nearest under these scales: the scales themselves, and the RTN baseline
     step: torch.Tensor  # float32 [N, K]: each element's scale
 
-    @property
-    def fp8(self) -> bool:
-        return isinstance(self.rtn, fp8.Fp8Weight)
+    def __post_init__(self):
+        self.fp8 = isinstance(self.rtn, fp8.Fp8Weight)
+        self.step_t = self.step.t().contiguous()  # [K, N]: one column's scales contiguous
 
-    def round_columns(self, w: torch.Tensor, cols) -> torch.Tensor:
-        """Columns `cols` of a weight ([N] for one column index, [N, c] for several) rounded onto the grid."""
-        s = self.step[:, cols]
+    def round_column(self, w: torch.Tensor, col: int) -> torch.Tensor:
+        """Column `col` of a weight ([N] values) rounded onto the grid."""
+        s = self.step_t[col]
         if self.fp8:
             return e4m3.to_e4m3(w / s).to(torch.float32) * s
-        return e2m1.decode(e2m1.encode(w / s)) * s
+        return e2m1.nearest_value(w / s) * s
 
     def encode(self, w_hat: torch.Tensor) -> FloatWeight:
         """The layout's weight object of `w_hat` (every element already on this grid)."""

@@ -64,25 +64,27 @@ def gptq_on_float_grid(weight: torch.Tensor, H: torch.Tensor, grid: FixedFloatGr
     if Hinv is None:
         raise HessianError("GPTQ: the Hessian is not positive definite at any damping; use more calibration data")
     cols = perm.tolist()
-    Q = torch.empty_like(W)
-    loss = torch.zeros((), dtype=torch.float64)
+    WT = W.t().contiguous()  # [K, N]: a column is a contiguous row (the loop is dispatch-bound)
+    QT = torch.empty_like(WT)
+    loss = 0.0
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
-        W1 = W[:, i1:i2].clone()
+        W1 = WT[i1:i2].clone()
         Err1 = torch.empty_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            w = W1[:, i]
-            q = grid.round_columns(w, cols[i1 + i])
-            Q[:, i1 + i] = q
-            err = (w - q) / Hinv1[i, i]
-            W1[:, i:].sub_(err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0))
-            Err1[:, i] = err
+            w = W1[i]
+            q = grid.round_column(w, cols[i1 + i])
+            QT[i1 + i] = q
+            err = (w - q).div_(Hinv1[i, i])
+            W1[i:].addr_(Hinv1[i, i:], err, alpha=-1.0)
+            Err1[i] = err
         loss += float(Err1.square().sum()) / 2
-        W[:, i2:].sub_(Err1 @ Hinv[i1:i2, i2:])
-    w_hat = torch.empty_like(Q)
-    w_hat[:, perm] = Q
-    return w_hat, {"loss": float(loss), "damp": pct * mean_diag, "dead": int(dead.sum()),
+        if i2 < k:
+            WT[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1.0)
+    w_hat = torch.empty_like(W)
+    w_hat[:, perm] = QT.t()
+    return w_hat, {"loss": loss, "damp": pct * mean_diag, "dead": int(dead.sum()),
                    "seconds": time.perf_counter() - t0}
 
 

@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""Float presets side by side (#47): quantkit's RTN and GPTQ against llm-compressor's, one run.
+
+For each preset (default NVFP4A16 and MXFP4A16), four checkpoints of the same model on the same calibration
+token ids (quantkit's own pipeline, `lee`, seed 0, written once to WORKDIR/calib_ids.safetensors for the peer):
+  quantkit rtn   `quantkit.float_checkpoint.write(method="rtn")`
+  quantkit gptq  `quantkit.float_checkpoint.write(method="gptq")` (GPTQ on the preset's grid, act-order,
+                 quantkit's layer-by-layer pipeline)
+  llmc rtn       llm-compressor's QuantizationModifier(scheme=PRESET)   (scripts/llmcompressor_peer.py)
+  llmc gptq      llm-compressor's GPTQModifier(scheme=PRESET), dampening 0.01, block 128, its default act-order
+each in its own subprocess; "seconds" is the quantization call alone (model loading excluded) for both tools.
+Every checkpoint is scored by `quantkit eval --baseline MODEL` on held-out `lee` and `wiki` windows (the
+same loader for both tools' folders; its logits equal a transformers forward on compressed-tensors'
+decompressed weights, tests/test_float_runtime.py): mean KL to the original model per token, top-1
+agreement, perplexity.
+
+    python scripts/bench_float_schemes.py --workdir /tmp/qk-float \\
+        --llmcompressor-python /work/peer-venv/bin/python --presets NVFP4A16,MXFP4A16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_quantize import quantkit_cli, run, write_calibration_ids  # noqa: E402
+
+
+def quantize_with_quantkit(model_folder: str, preset_name: str, method: str, calib_ids: str, output: str) -> None:
+    """Child process: one quantkit checkpoint; prints a JSON line."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantkit.float_checkpoint import write
+    from quantkit.scheme_presets import preset
+
+    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
+    ids = load_file(calib_ids)["input_ids"]
+    t0 = time.perf_counter()
+    write(model, preset(preset_name), output, method=method, calibration=ids if method == "gptq" else None)
+    seconds = time.perf_counter() - t0
+    AutoTokenizer.from_pretrained(model_folder).save_pretrained(output)
+    print(json.dumps({"seconds": round(seconds, 2)}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--presets", default="NVFP4A16,MXFP4A16")
+    ap.add_argument("--num-samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--lee-windows", type=int, default=None, help="held-out windows of 512 (default: all of lee's)")
+    ap.add_argument("--wiki-windows", type=int, default=32)
+    ap.add_argument("--llmcompressor-python", default=None)
+    ap.add_argument("--workdir", default="/tmp/qk-float")
+    ap.add_argument("--run-quantkit", nargs=4, metavar=("PRESET", "METHOD", "CALIB_IDS", "OUTPUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.run_quantkit:
+        quantize_with_quantkit(args.model, *args.run_quantkit)
+        return
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    calib_ids = work / "calib_ids.safetensors"
+    folder = write_calibration_ids(args.model, args.num_samples, args.seq_len, calib_ids)
+    rows = []
+    t_all = time.perf_counter()
+    for name in [p.strip().upper() for p in args.presets.split(",")]:
+        for tool, method in (("llmc", "rtn"), ("quantkit", "rtn"), ("llmc", "gptq"), ("quantkit", "gptq")):
+            out = work / f"{tool}-{method}-{name}"
+            if tool == "quantkit":
+                cmd = [sys.executable, __file__, "--model", folder, "--run-quantkit", name, method, str(calib_ids), str(out)]
+            elif args.llmcompressor_python:
+                cmd = [args.llmcompressor_python, str(HERE / "llmcompressor_peer.py"), "--method", method, "--scheme", name,
+                       "--model", folder, "--calib-ids", str(calib_ids), "--output", str(out)]
+            else:
+                print(f"{tool} {method} {name}: left out (no --llmcompressor-python)")
+                continue
+            if out.exists():
+                sys.exit(f"{out} exists; use a fresh --workdir")
+            result, wall = run(cmd)
+            row = {"preset": name, "row": f"{tool} {method}", "path": str(out), "seconds": result["seconds"]}
+            for dataset, windows in (("lee", args.lee_windows), ("wiki", args.wiki_windows)):
+                r, _ = run(quantkit_cli("eval", "--model", str(out), "--baseline", folder, "--dataset", dataset,
+                                        "--backend", "reference", "--json",
+                                        *(["--max-windows", str(windows)] if windows else [])))
+                row[dataset] = {k: r.get(k) for k in ("kl_mean", "kl_mean_stderr", "top1_agreement", "perplexity",
+                                                      "baseline_perplexity", "tokens")}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"calibration: {args.num_samples} x {args.seq_len} Lee tokens, seed 0, identical ids for both tools; "
+          f"{time.perf_counter() - t_all:.0f} s in all")
+    print(f"{'preset':10} {'row':14} {'KL lee':>8} {'KL wiki':>8} {'KL mean':>8} {'top1 lee':>8} {'ppl wiki':>8} {'s':>7}")
+    for r in rows:
+        mean = (r["lee"]["kl_mean"] + r["wiki"]["kl_mean"]) / 2
+        print(f"{r['preset']:10} {r['row']:14} {r['lee']['kl_mean']:8.4f} {r['wiki']['kl_mean']:8.4f} {mean:8.4f} "
+              f"{r['lee']['top1_agreement']:8.3f} {r['wiki']['perplexity']:8.2f} {r['seconds']:7.1f}")
+    by = {(r["preset"], r["row"]): r for r in rows}
+    for name in {r["preset"] for r in rows}:
+        for method in ("rtn", "gptq"):
+            a, b = by.get((name, f"quantkit {method}")), by.get((name, f"llmc {method}"))
+            if a and b:
+                ka = (a["lee"]["kl_mean"] + a["wiki"]["kl_mean"]) / 2
+                kb = (b["lee"]["kl_mean"] + b["wiki"]["kl_mean"]) / 2
+                print(f"{name} {method}: quantkit / llm-compressor mean KL {ka / kb:.3f}, time {a['seconds'] / b['seconds']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
