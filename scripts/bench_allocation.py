@@ -104,10 +104,7 @@ def main() -> int:
           f"{'predicted':>9} {'pred/meas':>9}  schemes")
     means = {}
     for name, (folder, predicted) in runs.items():
-        kl = {}
-        for text in ("lee", "wiki"):
-            r = api.evaluate(folder, baseline=args.model, dataset=text, seq_len=512, max_windows=args.eval_windows)
-            kl[text] = (r["kl_mean"], r["kl_mean_stderr"] or 0.0)
+        kl = {text: score(folder, args.model, text, args.eval_windows) for text in ("lee", "wiki")}
         means[name] = (kl["lee"][0] + kl["wiki"][0]) / 2
         sizes = _linear_bits(folder)
         ratio = f"{predicted / means[name]:>9.3f}" if predicted else f"{'-':>9}"
@@ -122,6 +119,18 @@ def main() -> int:
             print(f"{name} / uniform {default} mean KL: {m / u:.3f} ({change})")
     print(f"total {time.perf_counter() - t0:.0f} s (2 shared cores: contended)")
     return 0
+
+
+def score(folder: Path, model: str, text: str, windows: int) -> tuple[float, float]:
+    """Mean KL per token against `model` on `windows` x 512 held-out tokens of `text` (kept in the
+    checkpoint's folder, so a rerun or a parallel job scores each checkpoint once)."""
+    from quantkit import api
+
+    cache = folder / f"bench_kl_{text}_{windows}x512.json"
+    if not cache.exists():
+        r = api.evaluate(folder, baseline=model, dataset=text, seq_len=512, max_windows=windows)
+        cache.write_text(json.dumps([r["kl_mean"], r["kl_mean_stderr"] or 0.0]))
+    return tuple(json.loads(cache.read_text()))
 
 
 def _linear_bits(folder: Path) -> float:
