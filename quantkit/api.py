@@ -140,6 +140,9 @@ def quantize(
     t0 = time.perf_counter()
     model, dtype = args["model"], args["dtype"]
     shard_bytes = _checked_before_work(device, args["max_shard_size"], dist_timeout, target_bits, target_size)
+    if max_memory is not None and device_map is None:
+        raise QuantkitError("--max-memory budgets --device-map's placement and is read by nothing else; add "
+                            "--device-map auto or drop --max-memory")
     in_memory = isinstance(model, nn.Module)
     if in_memory and (nproc not in (None, 1) or _launched()):
         raise QuantkitError("data-parallel ranks each load the model themselves; pass its folder instead of the "
@@ -580,12 +583,24 @@ def _calibration_set(plan, hf_model, tokenizer, comm=None):
         source = comm.from_rank0(lambda: drawn["t"].source.encode()).decode()
         tokens = CalibrationTokens(ids, source)
     check_vocabulary(tokens.input_ids, hf_model.get_input_embeddings().num_embeddings)
+    _check_calibration_context(tokens.input_ids.shape[1], hf_model.config)
     c = c.with_tokens(tokens)
     if plan.replay is not None:
         plan.replay.check_tokens(c.tokens_sha256)
     _check_share(replace(plan, calibration=c), comm)
     batch = c.batch_size or calibration_batch_size(hf_model.config, plan.recipe, c.num_samples, c.seq_len)
     return replace(plan, calibration=c), tokens.input_ids, batch
+
+
+def _check_calibration_context(seq_len: int, config) -> None:
+    """Calibrating on positions past the model's context fits the weights to activations it never serves
+    (or fails on learned position embeddings): refuse, naming the limit."""
+    from quantkit.scoring import context_length
+
+    limit = context_length(config)
+    if limit is not None and seq_len > limit:
+        raise QuantkitError(f"calibration sequences of {seq_len} tokens exceed the model's context ({limit} tokens, "
+                            f"max_position_embeddings); pass --seq-len {limit} or less")
 
 
 def _progress_store(output: Path, model: str, plan, save_dtype, batch_size, input_ids, resume: bool, comm=None):

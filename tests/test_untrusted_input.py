@@ -491,3 +491,28 @@ def test_cli_remote_code_names_the_flag(tmp_path, tiny_llama_dir):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "--trust-remote-code" in lines[0], proc.stderr[-2000:]
     assert "repository code ran" not in proc.stderr
+
+
+def test_quantize_refuses_calibration_past_the_context(tmp_path, tiny_llama_dir):
+    import quantkit
+
+    folder = short_context_copy(tmp_path, tiny_llama_dir, 64)
+    with pytest.raises(QuantkitError, match=r"sequences of 128 tokens exceed the model's context \(64 tokens.*--seq-len 64"):
+        quantkit.quantize(str(folder), "gptq", bits=4, group_size=32, num_samples=4, seq_len=128,
+                          output=tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    rows = torch.randint(0, 100, (2, 96))  # in-memory rows are refused the same way
+    with pytest.raises(QuantkitError, match=r"96 tokens exceed the model's context \(64"):
+        quantkit.quantize(str(folder), "gptq", bits=4, group_size=32, dataset=rows, output=tmp_path / "out",
+                          progress=False)
+    quantkit.quantize(str(folder), "gptq", bits=4, group_size=32, num_samples=4, seq_len=64,
+                      output=tmp_path / "ok", progress=False)
+    assert (tmp_path / "ok" / "config.json").is_file()
+
+
+def test_max_memory_without_a_device_map_is_refused(tmp_path, tiny_llama_dir):
+    import quantkit
+
+    with pytest.raises(QuantkitError, match="--max-memory budgets --device-map.*--device-map auto"):
+        quantkit.quantize(str(tiny_llama_dir), "rtn", bits=4, group_size=32, max_memory="cpu=1GiB",
+                          output=tmp_path / "out", progress=False)
