@@ -127,6 +127,11 @@ def test_quantkit_reads_a_checkpoint_compressed_tensors_wrote(tmp_path, name):
 
     ours = read_dequantized(out)
     assert len(ours) == 7
+    import quantkit
+    from quantkit.runtime.float_linear import FloatLinear
+
+    loaded = {n: m for n, m in quantkit.load(out).named_modules() if isinstance(m, FloatLinear)}
+    assert sorted(loaded) == sorted(ours) and all(torch.equal(loaded[m].dequantized_weight(), ours[m]) for m in ours)
     # quantkit's own RTN of the same model gives the same weights compressed-tensors wrote
     written = write(_tiny_llama(), preset(name), tmp_path / f"qk-{name}")
     assert all(torch.equal(written[m], ours[m]) for m in ours)
