@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--lee-windows", type=int, default=None, help="held-out windows of 512 (default: all of lee's)")
     ap.add_argument("--wiki-windows", type=int, default=32)
+    ap.add_argument("--rows", default="llmc rtn,quantkit rtn,llmc gptq,quantkit gptq", help="comma list of rows")
     ap.add_argument("--llmcompressor-python", default=None)
     ap.add_argument("--workdir", default="/tmp/qk-float")
     ap.add_argument("--run-quantkit", nargs=4, metavar=("PRESET", "METHOD", "CALIB_IDS", "OUTPUT"), help=argparse.SUPPRESS)
@@ -70,7 +71,7 @@ def main() -> None:
     rows = []
     t_all = time.perf_counter()
     for name in [p.strip().upper() for p in args.presets.split(",")]:
-        for tool, method in (("llmc", "rtn"), ("quantkit", "rtn"), ("llmc", "gptq"), ("quantkit", "gptq")):
+        for tool, method in (r.strip().split() for r in args.rows.split(",")):
             out = work / f"{tool}-{method}-{name}"
             if tool == "quantkit":
                 cmd = [sys.executable, __file__, "--model", folder, "--run-quantkit", name, method, str(calib_ids), str(out)]
