@@ -187,7 +187,8 @@ def write_report(folder: Path, report: dict[str, Any]) -> list[str]:
             f"<h1>Sensitivity of {html.escape(str(report.get('model')))}</h1>",
             f"<p>method {html.escape(str(report.get('method')))}, format {html.escape(str(report.get('format')))}; "
             f"predicted KL calibrated per {html.escape(str(report.get('calibration_mode')))}; proxy check on the "
-            f"sampled linears: {html.escape(json.dumps(check))}</p>",
+            f"sampled linears: {html.escape(json.dumps(check))}; whole-model check on allocated mixtures: "
+            f"{html.escape(json.dumps((report.get('interaction') or {}).get('check', [])))}</p>",
             "<h2>Predicted KL increase per linear (rows: decoder layers)</h2>", _svg_heatmap(rows, labels),
             "<h2>Size against predicted KL (best mixture per budget; dots: uniform schemes)</h2>",
             _svg_curve(curve, uniforms),
@@ -203,7 +204,9 @@ def card_section(report: dict[str, Any], allocation: dict[str, Any] | None = Non
     if allocation:
         lines += [f"- allocation target: {allocation['target']}",
                   f"- packed linears: {allocation['packed_bytes']} bytes, {allocation['bits_per_weight']} bits per weight",
-                  f"- predicted KL increase (sum of per-linear predictions): {allocation['predicted_kl']:.5f}",
+                  f"- predicted KL on the report's held-out windows: {allocation['predicted_kl']:.5f} (the sum of "
+                  f"per-linear KLs, {allocation.get('predicted_kl_sum', allocation['predicted_kl']):.5f}, through the "
+                  "measured whole-model mapping)",
                   f"- schemes: {', '.join(f'{k} x {v}' for k, v in sorted(allocation['schemes'].items()))}", ""]
     lines += [f"![per-layer sensitivity heat map]({HEATMAP_PNG})", "", f"![size against KL]({CURVE_PNG})", "",
               f"Table: [`{JSON_FILE}`]({JSON_FILE}) (one row per linear and scheme); page: [`{HTML_FILE}`]({HTML_FILE}).", ""]
