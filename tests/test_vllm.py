@@ -5,7 +5,10 @@ ours) and is driven through scripts/vllm_score.py in a subprocess, which imports
 layout the demo model is quantized as a user would, vLLM loads the folder unmodified and returns its
 top-20 prompt log-probs on held-out text, and quantkit's own loader (reference backend, float32)
 scores the same tokens. Layouts the support matrix (quantkit.formats.loaders) says vLLM refuses are
-checked to be refused, so the matrix cannot drift from what vLLM does.
+checked to be refused, so the matrix cannot drift from what vLLM does. Besides the demo's layouts: a
+gptq and a compressed-tensors mixture (vLLM's fused q/k/v and gate/up, quantkit.formats.fused_linears),
+the compressed-tensors float presets (quantkit.float_checkpoint) and MoE experts on a tiny random
+Qwen3-MoE (refused by vLLM's CPU build without Intel AMX).
 
 KL is measured on the coarsened distributions (vLLM's top-20 tokens plus one bucket for the rest):
 a lower bound of the full KL that loses little when 20 tokens hold most of the mass.
@@ -38,15 +41,25 @@ CALIBRATION = dict(num_samples=8, seq_len=128)  # small: the tier checks layouts
 #   the unquantized demo model, vLLM float32:   top-1 agreement 1.000, coarse KL 3e-11
 #   weight-only layouts (gptq default / per channel / no act-order, awq sym / zero point, ct w4a16 asym):
 #                                               top-1 0.956-0.973, KL 0.0011-0.0012
+#   llm-compressor's own gptq w4g64 checkpoint (scripts/vllm_llmcompressor_spread.py, not in CI):
+#                                               top-1 0.964, KL 0.0012 against transformers and quantkit alike
+#   a gptq mixture (q/k/v at g32, gate/up per channel, down g128, rest g64):  top-1 0.969, KL 0.0011
 # vLLM's bfloat16 activations are the whole difference there. W8A8 adds vLLM's own int8 rounding of
 # bfloat16 activations (quantkit rounds float32 ones), so a rounding flip in one layer feeds the next:
 #   ct-w8a8 (SmoothQuant): top-1 0.916, KL 0.0119 (the demo's first 4 layers alone: 0.931, 0.0051)
+#   ct-fp8-dynamic (fp8 weights and dynamic per-token fp8 activations, the same mechanism): 0.903, 0.0157
 # What the thresholds can tell apart (measured the same way): vLLM's gptq default against the
 # unquantized model, i.e. the whole 4-bit error, top-1 0.741, KL 0.196; vLLM's awq zero-point folder
 # against quantkit's symmetric one (other 4-bit codes of the same weights), top-1 0.670, KL 0.230.
 # A layout vLLM decoded differently from quantkit would differ at least that much.
 MIN_TOP1, MAX_KL = 0.92, 0.005  # weight-only: ~1.5 points of top-1 and 4x the KL below the worst measured
 W8A8_MIN_TOP1, W8A8_MAX_KL = 0.85, 0.03
+# (base model, quantized activations) -> (min top-1, max KL). The tiny random MoE's next-token distributions
+# are nearly flat (vLLM bf16 on it: top-1 0.981, KL 1.5e-8), so its KL bound cannot tell much apart and
+# its top-1 bound is the weight-only one; no quantized MoE is served by vLLM's CPU build on a CPU
+# without AMX (tests below), so these were not exercised on a served MoE here.
+THRESHOLDS = {("demo", False): (MIN_TOP1, MAX_KL), ("demo", True): (W8A8_MIN_TOP1, W8A8_MAX_KL),
+              ("moe", False): (MIN_TOP1, MAX_KL), ("moe", True): (W8A8_MIN_TOP1, W8A8_MAX_KL)}
 
 
 @dataclass
@@ -55,7 +68,32 @@ class Layout:
     quantize: dict = field(default_factory=dict)  # quantkit.quantize keyword arguments
     cli: list[str] | None = None  # or a `quantkit quantize` command line, as a user types it
     dtype: str = "bfloat16"  # vLLM's dtype for the folder
-    w8a8: bool = False  # int8 activations: W8A8 thresholds
+    w8a8: bool = False  # quantized activations (int8 W8A8, dynamic fp8): the W8A8 thresholds
+    recipe: str | None = None  # YAML recipe text, passed as --recipe (per-module overrides)
+    float_preset: str | None = None  # or a compressed-tensors float preset (quantkit.float_checkpoint.write)
+    model: str = "demo"  # or "moe": the demo split into a Qwen2-MoE (scripts/moe_models.py moefied_qwen2_moe)
+
+
+# A mixture as the allocator or a recipe writes it (per-module overrides, GPTQModel `dynamic` rules in
+# gptq): vLLM fuses q/k/v and gate/up and looks rules up under the fused name, so a group is one rule
+# (quantkit.formats.fused_linears). Group sizes vary, not bits: vLLM's CPU build has 4-bit kernels only.
+MIXTURE = """method: rtn
+scheme:
+  bits: 4
+  group_size: 64
+  overrides:
+    - {pattern: "layers\\\\.0\\\\.self_attn\\\\.(q|k|v)_proj$", group_size: 32}
+    - {pattern: "layers\\\\.1\\\\.mlp\\\\.(gate|up)_proj$", group_size: -1}
+    - {pattern: "layers\\\\.2\\\\.mlp\\\\.down_proj$", group_size: 128}
+"""
+# q_proj alone at another scheme: vLLM cannot serve it (one fused qkv_proj, one scheme)
+SPLIT_GROUP = """method: rtn
+scheme:
+  bits: 4
+  group_size: 64
+  overrides:
+    - {pattern: "layers\\\\.0\\\\.self_attn\\\\.q_proj$", group_size: 32}
+"""
 
 
 LAYOUTS = [
@@ -76,7 +114,51 @@ LAYOUTS = [
     Layout("ct-w4a16-asym", cli=["--method", "rtn", "--option", "mse=false", "--bits", "4", "--asym", "--format", "compressed-tensors"]),
     Layout("ct-w8a16", cli=["--method", "rtn", "--option", "mse=false", "--bits", "8", "--format", "compressed-tensors"]),
     Layout("ct-w8a8", cli=["--method", "smoothquant"], w8a8=True),
+    Layout("gptq-mixture", cli=["--method", "rtn", "--option", "mse=false", "--format", "gptq"], recipe=MIXTURE),
+    Layout("gptq-mixture-split-qkv", cli=["--method", "rtn", "--option", "mse=false", "--format", "gptq"],
+           recipe=SPLIT_GROUP),
+    Layout("ct-mixture", cli=["--method", "rtn", "--option", "mse=false", "--format", "compressed-tensors"],
+           recipe=MIXTURE),
+    # compressed-tensors float presets (#47), written by quantkit.float_checkpoint.write (RTN)
+    Layout("ct-fp8-dynamic", float_preset="FP8_DYNAMIC", w8a8=True),  # fp8 weights, dynamic fp8 activations
+    Layout("ct-fp8-block", float_preset="FP8_BLOCK", w8a8=True),
+    Layout("ct-nvfp4a16", float_preset="NVFP4A16"),
+    Layout("ct-mxfp4a16", float_preset="MXFP4A16"),
+    Layout("ct-mxfp4", float_preset="MXFP4", w8a8=True),
+    # MoE experts (per-expert tensors), on a tiny random Qwen3-MoE
+    Layout("moe-gptq", model="moe", cli=["--method", "rtn", "--option", "mse=false", "--group-size", "64",
+                                         "--sym", "--format", "gptq"]),
+    Layout("moe-awq", model="moe", cli=["--method", "rtn", "--option", "mse=false", "--group-size", "64",
+                                        "--asym", "--format", "awq"]),
+    Layout("moe-ct-w4a16", model="moe", cli=["--method", "rtn", "--option", "mse=false", "--group-size", "64",
+                                             "--sym", "--format", "compressed-tensors"]),
 ]
+
+
+UNQUANTIZED = {"demo": "unquantized", "moe": "moe-unquantized"}  # the spread's rows, per base model
+
+
+def _moe_model(folder: Path, dense: Path) -> Path:
+    """A tiny random Qwen3-MoE (2 layers, 4 experts, top-2) saved with the demo tokenizer, built once
+    per checkpoint dir. (The demo split into a Qwen2-MoE, scripts/moe_models.py moefied_qwen2_moe, would
+    give peaked distributions, but vLLM 0.32's CPU build returns NaN log-probs for it, unquantized.)"""
+    if (folder / "config.json").is_file():
+        return folder
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from moe_models import random_qwen3_moe
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return random_qwen3_moe(folder, tokenizer_from=dense, layers=2, experts=4, hidden=256, moe_intermediate=128,
+                            heads=4, kv_heads=2)
+
+
+def _cpu_has_amx() -> bool:
+    """Intel AMX, which vLLM's CPU expert kernels need (the kernel's own check; read from /proc/cpuinfo)."""
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 def _vllm_venv_or_skip() -> Path:
@@ -88,17 +170,32 @@ def _vllm_venv_or_skip() -> Path:
     pytest.skip(why)
 
 
-def _quantize(layout: Layout, out: Path) -> None:
-    if layout.cli is not None:
+def _quantize(layout: Layout, out: Path, bases: dict[str, Path]) -> None:
+    if layout.float_preset is not None:  # not on the CLI yet (docs/float-schemes.md)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from quantkit.float_checkpoint import write
+        from quantkit.scheme_presets import preset
+
+        model = AutoModelForCausalLM.from_pretrained(bases[layout.model], dtype=torch.bfloat16)
+        write(model, preset(layout.float_preset), out)
+        AutoTokenizer.from_pretrained(bases[layout.model]).save_pretrained(out)
+    elif layout.cli is not None:
         calibration = [] if "rtn" in layout.cli else ["--num-samples", str(CALIBRATION["num_samples"]),
                                                        "--seq-len", str(CALIBRATION["seq_len"])]
-        cmd = [sys.executable, "-m", "quantkit", "quantize", *layout.cli, *calibration, "--output", str(out)]
+        recipe = []
+        if layout.recipe is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            (out.parent / f"{layout.name}.yaml").write_text(layout.recipe)
+            recipe = ["--recipe", str(out.parent / f"{layout.name}.yaml")]
+        cmd = [sys.executable, "-m", "quantkit", "quantize", "--model", str(bases[layout.model]), *recipe, *layout.cli,
+               *calibration, "--output", str(out)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr[-3000:]}"
     else:
         import quantkit
 
-        quantkit.quantize("demo", output=out, progress=False, **CALIBRATION, **layout.quantize)
+        quantkit.quantize(str(bases[layout.model]), output=out, progress=False, **CALIBRATION, **layout.quantize)
 
 
 def _held_out_windows(tokenizer) -> list[list[int]]:
@@ -147,15 +244,23 @@ def scored(tmp_path_factory):
     # QUANTKIT_VLLM_CHECKPOINTS=DIR keeps the quantized folders there and reuses finished ones (local reruns)
     kept = os.environ.get("QUANTKIT_VLLM_CHECKPOINTS")
     where = Path(kept) if kept else tmp
-    folders = {"unquantized": base}
+    bases = {"demo": base}
+    if any(layout.model == "moe" for layout in LAYOUTS):
+        bases["moe"] = _moe_model(where / "moe-model", base)
+    folders = {UNQUANTIZED[m]: bases[m] for m in bases}
     for layout in LAYOUTS:
         folders[layout.name] = where / layout.name
         if not (kept and (folders[layout.name] / "config.json").is_file()):
-            _quantize(layout, folders[layout.name])
-    dtypes = {layout.name: layout.dtype for layout in LAYOUTS}
-    models = [{"name": "unquantized", "path": str(base), "dtype": "bfloat16"},
-              {"name": "unquantized-fp32", "path": str(base), "dtype": "float32"}]
-    models += [{"name": n, "path": str(folders[n]), "dtype": dtypes[n]} for n in dtypes]
+            _quantize(layout, folders[layout.name], bases)
+    models = []
+    # per base model, its spread (unquantized in bfloat16 and float32) then its layouts; MoE first: in one
+    # process, vLLM 0.32 loses its expert-parallel group for a quantized MoE loaded after dense models
+    # ("expert parallel group is not initialized")
+    for m in sorted(bases, key=lambda m: m != "moe"):
+        models += [{"name": UNQUANTIZED[m], "path": str(bases[m]), "dtype": "bfloat16"},
+                   {"name": f"{UNQUANTIZED[m]}-fp32", "path": str(bases[m]), "dtype": "float32"}]
+        models += [{"name": layout.name, "path": str(folders[layout.name]), "dtype": layout.dtype}
+                   for layout in LAYOUTS if layout.model == m]
     tmp = where  # the request and vLLM's scores are kept with the folders too
     request = tmp / "request.json"
     request.write_text(json.dumps({"windows": windows, "top_k": TOP_K, "models": models}))
@@ -168,9 +273,13 @@ def scored(tmp_path_factory):
     import quantkit
 
     reference = {}
-    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    reference["unquantized"] = reference["unquantized-fp32"] = _reference_log_probs(hf, windows)
-    del hf
+    shapes = {}
+    for m in bases:  # transformers in float32 on the unquantized folder
+        hf = AutoModelForCausalLM.from_pretrained(bases[m], dtype=torch.float32).eval()
+        reference[UNQUANTIZED[m]] = reference[f"{UNQUANTIZED[m]}-fp32"] = _reference_log_probs(hf, windows)
+        shapes[m] = {n: (mod.out_features, mod.in_features) for n, mod in hf.named_modules()
+                     if isinstance(mod, torch.nn.Linear) and n != "lm_head"}
+        del hf
     for layout in LAYOUTS:
         if vllm[layout.name]["ok"]:
             model = quantkit.load(folders[layout.name], backend="reference", dtype="float32")
@@ -184,27 +293,31 @@ def scored(tmp_path_factory):
     for name, r in results.items():
         print(f"  {name:24s} " + (f"top1 {r['top1']:.4f}  KL {r['kl']:.5f}  ({r['positions']} positions, "
                                   f"{r['seconds']:.0f} s in vLLM)" if r["ok"] else f"refused: {r['error']}"))
-    return {"results": results, "folders": folders}
+    return {"results": results, "folders": folders, "shapes": shapes}
 
 
 def _checkpoint(folder: Path):
-    """(format, [LinearSpec]) of a written checkpoint, read back by `quantkit inspect`."""
+    """(format, {module name: LinearSpec}) of a written checkpoint, read back by `quantkit inspect`."""
     from quantkit.inspect import inspect_checkpoint
     from quantkit.qtensor import LinearSpec
 
     info = inspect_checkpoint(str(folder))
-    specs = [LinearSpec(*layer["shape"], layer["bits"], layer["group_size"], layer["sym"], layer["act_order"],
-                        layer.get("input_quant")) for layer in info["layers"].values()]
+    specs = {name: LinearSpec(*layer["shape"], layer["bits"], layer["group_size"], layer["sym"], layer["act_order"],
+                              layer.get("input_quant")) for name, layer in info["layers"].items()}
     return info["format"], specs
 
 
 def test_unquantized_model_sets_the_spread(scored):
     """The threshold's footing: identical weights, vLLM's numerics alone."""
-    base = scored["results"]["unquantized"]
-    assert base["ok"] and base["positions"] >= 512
-    assert base["top1"] >= MIN_TOP1 and base["kl"] <= MAX_KL, base
-    fp32 = scored["results"]["unquantized-fp32"]
-    assert fp32["ok"] and fp32["top1"] >= 0.99 and fp32["kl"] <= 1e-3, fp32
+    for m, name in UNQUANTIZED.items():
+        if m not in scored["shapes"]:
+            continue
+        min_top1, max_kl = THRESHOLDS[(m, False)]
+        base = scored["results"][name]
+        assert base["ok"] and base["positions"] >= 512
+        assert base["top1"] >= min_top1 and base["kl"] <= max_kl, base
+        fp32 = scored["results"][f"{name}-fp32"]
+        assert fp32["ok"] and fp32["top1"] >= 0.99 and fp32["kl"] <= 1e-3, fp32
 
 
 def test_default_gptq_checkpoint_loads_in_vllm(scored):
@@ -216,18 +329,34 @@ def test_default_gptq_checkpoint_loads_in_vllm(scored):
     assert r["top1"] >= MIN_TOP1 and r["kl"] <= MAX_KL, r
 
 
+def test_gptq_mixture_is_one_rule_per_fused_group(scored):
+    """The mixture's q/k/v and gate/up overrides reach vLLM's fused layers (its lookup: re.match of the
+    rule on the fused name), so what vLLM scores below is the mixture, not the base scheme."""
+    dynamic = json.loads((scored["folders"]["gptq-mixture"] / "config.json").read_text())["quantization_config"]["dynamic"]
+    fused = {name: next((o for p, o in dynamic.items() if re.match(p.removeprefix("+:"), name)), None)
+             for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj",
+                          "model.layers.2.mlp.down_proj", "model.layers.3.self_attn.qkv_proj")}
+    assert [o and o["group_size"] for o in fused.values()] == [32, -1, 128, None], dynamic
+
+
 @pytest.mark.parametrize("name", [layout.name for layout in LAYOUTS])
 def test_layout_in_vllm_matches_support_matrix(scored, name):
     """Served layouts agree with quantkit's loader; refused ones are refused, as the matrix says."""
     from quantkit.formats import loaders
 
-    refusal = loaders.vllm_refusal(*_checkpoint(scored["folders"][name]))
+    layout = next(layout for layout in LAYOUTS if layout.name == name)
+    if layout.float_preset is not None:
+        refusal = loaders.vllm_float_refusal(layout.float_preset, scored["shapes"][layout.model])
+    elif layout.model == "moe":
+        refusal = (loaders.vllm_cpu_moe_refusal(layout.cli[layout.cli.index("--format") + 1], _cpu_has_amx())
+                   or loaders.vllm_refusal(*_checkpoint(scored["folders"][name])))
+    else:
+        refusal = loaders.vllm_refusal(*_checkpoint(scored["folders"][name]))
     r = scored["results"][name]
     if refusal is None:
         assert r["ok"], f"the support matrix says vLLM serves {name}, but: {r.get('error')}"
         assert r["positions"] >= 512
-        w8a8 = next(layout.w8a8 for layout in LAYOUTS if layout.name == name)
-        min_top1, max_kl = (W8A8_MIN_TOP1, W8A8_MAX_KL) if w8a8 else (MIN_TOP1, MAX_KL)
+        min_top1, max_kl = THRESHOLDS[(layout.model, layout.w8a8)]
         assert r["top1"] >= min_top1 and r["kl"] <= max_kl, r
     else:
         assert not r["ok"], f"vLLM now serves {name} (top1 {r['top1']:.3f}, KL {r['kl']:.4f}); " \

