@@ -256,12 +256,12 @@ def _resolved_run(args: dict, plan, schemes: dict, cal_batch, experts, save_dtyp
 
 
 def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer_source, comm, source_ref, t0):
-    """A float preset (--scheme NVFP4A16, FP8_DYNAMIC, ...): round-to-nearest onto its grid, written as a
-    compressed-tensors folder by quantkit.float_checkpoint, with the tokenizer and recipe.yaml, staged
+    """A float preset (--scheme NVFP4A16, FP8_DYNAMIC, ...): round-to-nearest or GPTQ onto its grid, written
+    as a compressed-tensors folder by quantkit.float_checkpoint, with the tokenizer and recipe.yaml, staged
     and renamed into place."""
     from quantkit import float_checkpoint
     from quantkit.checkpoint import replace_dir, staging_dir
-    from quantkit.run_recipe import RECIPE_FILE
+    from quantkit.run_recipe import RECIPE_FILE, non_default_options
 
     p = plan.float_preset
     if layer_source is not None or comm is not None or args["target_bits"] is not None or args["target_size"]:
@@ -271,22 +271,27 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
         raise QuantkitError(f"--eval needs a model card, which --scheme {p.name}'s writer does not write yet; drop "
                             "--eval and score the output with `quantkit eval --model OUTPUT --baseline SOURCE`")
     output = Path(args["output"]) if args["output"] is not None else \
-        Path(f"{Path(base_name).name.lower()}-rtn-{p.name.lower()}")
+        Path(f"{Path(base_name).name.lower()}-{plan.recipe.name}-{p.name.lower()}")
     _check_output(output, args["overwrite"], False, source_ref)
     stage = staging_dir(output).with_name(f".{output.name}.float-partial")  # never an integer run's resumable one
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     try:
         folder = stage / "checkpoint"
-        float_checkpoint.write(hf_model, p, folder, ignore=plan.scheme.ignore)
+        ids = batch = None
+        if plan.recipe.name == "gptq":
+            plan, ids, batch = _calibration_set(plan, hf_model, tokenizer)
+        float_checkpoint.write(hf_model, p, folder, ignore=plan.scheme.ignore, method=plan.recipe.name,
+                               calibration=ids, options=non_default_options(plan.recipe) if ids is not None else None,
+                               batch_size=batch or 8, progress=bool(args["progress"]))
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
-        resolved = _resolved_run(args, plan, {}, None, None, hf_model.dtype, None)
+        resolved = _resolved_run(args, plan, {}, batch, None, hf_model.dtype, None)
         (folder / RECIPE_FILE).write_text(resolved.to_yaml())
         replace_dir(folder, output)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    summary = {"output": str(output), "method": "rtn", "scheme": p.name, "format": "compressed-tensors",
+    summary = {"output": str(output), "method": plan.recipe.name, "scheme": p.name, "format": "compressed-tensors",
                "layout": float_checkpoint.layout_of(p), "seconds": round(time.perf_counter() - t0, 3),
                "peak_rss_mb": _rss_mb()}
     return QuantizeResult(output=output, plan=plan, metrics=None, summary=summary, resolved=resolved)

@@ -262,14 +262,23 @@ def _preset_flags(name: str, method, *, bits, group_size, sym, format):
 
 
 def _check_float_preset(p: SchemePreset, recipe: Recipe, options: Optional[dict], gguf_type) -> None:
-    """A float preset is written by round-to-nearest onto its grid (quantkit.float_checkpoint)."""
-    from quantkit.float_checkpoint import layout_of
+    """A float preset is written by round-to-nearest or GPTQ onto its grid (quantkit.float_checkpoint);
+    GPTQ there takes only the options its float solve declares (quantizers.gptq_float)."""
+    from quantkit.float_checkpoint import METHODS, layout_of
+    from quantkit.quantizers.gptq_float import FloatGPTQ
+    from quantkit.run_recipe import non_default_options
 
-    if recipe.name != "rtn":
-        raise QuantkitError(f"--scheme {p.name} is written by round-to-nearest only (GPTQ/AWQ on float grids are not "
-                            f"wired to the CLI yet); drop --method {recipe.name} or use --method rtn")
-    if options or gguf_type is not None:
-        raise QuantkitError(f"--scheme {p.name}'s writer takes no method options or --gguf-type; drop them")
+    if recipe.name not in METHODS:
+        raise QuantkitError(f"--scheme {p.name} is written by --method {' or '.join(METHODS)} (AWQ and transforms on "
+                            f"float grids are not built yet); drop --method {recipe.name}")
+    if gguf_type is not None:
+        raise QuantkitError(f"--scheme {p.name} is a compressed-tensors scheme; drop --gguf-type")
+    if recipe.name == "rtn" and options:
+        raise QuantkitError(f"--scheme {p.name} with round-to-nearest takes no method options; drop them")
+    unknown = sorted(set(non_default_options(recipe)) - set(FloatGPTQ.options_spec))
+    if unknown:
+        raise QuantkitError(f"GPTQ on --scheme {p.name}'s float grid takes only {', '.join(FloatGPTQ.options_spec)}; "
+                            f"drop {', '.join(unknown)}")
     layout_of(p)  # refuses the presets that need calibrated activation scales, with the reason
 
 

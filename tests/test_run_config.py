@@ -255,6 +255,29 @@ def test_a_float_scheme_is_float_checkpoints_rtn_and_replays(tiny_wide_dir, tmp_
     assert shas(tmp_path / "again") == shas(tmp_path / "named")
 
 
+def test_a_float_scheme_with_gptq_is_float_checkpoints_gptq_and_replays(tiny_wide_dir, tmp_path):
+    """--scheme NVFP4A16 --method gptq runs float_checkpoint's GPTQ on the float grid with the run's tokens."""
+    from quantkit import float_checkpoint
+    from quantkit.scheme_presets import preset
+
+    ids = torch.randint(0, 49152, (4, 32), generator=torch.Generator().manual_seed(7))
+    quantkit.quantize(str(tiny_wide_dir), "gptq", scheme="nvfp4a16", dataset=ids, batch_size=4,
+                      options={"damp_percent": 0.02}, output=tmp_path / "named", progress=False)
+    float_checkpoint.write(transformers.AutoModelForCausalLM.from_pretrained(tiny_wide_dir), preset("nvfp4a16"),
+                           tmp_path / "direct", method="gptq", calibration=ids, options={"damp_percent": 0.02},
+                           batch_size=4)
+    assert shas(tmp_path / "named") == shas(tmp_path / "direct")
+    float_checkpoint.write(transformers.AutoModelForCausalLM.from_pretrained(tiny_wide_dir), preset("nvfp4a16"),
+                           tmp_path / "rtn")
+    assert shas(tmp_path / "rtn") != shas(tmp_path / "named")  # GPTQ moved codes
+    rec = recipe_of(tmp_path / "named")
+    assert (rec["scheme"], rec["method"], rec["options"]) == ("NVFP4A16", "gptq", {"damp_percent": 0.02})
+    assert rec["calibration"]["tokens_sha256"] == tokens_sha256(ids)
+    quantkit.quantize(recipe=tmp_path / "named" / "recipe.yaml", dataset=ids, output=tmp_path / "again",
+                      progress=False)
+    assert shas(tmp_path / "again") == shas(tmp_path / "named")
+
+
 def test_a_recipe_file_may_name_its_scheme(tmp_path):
     from quantkit.plan import resolve_plan
 
@@ -272,7 +295,9 @@ def test_a_recipe_file_may_name_its_scheme(tmp_path):
     (dict(scheme="w4a16", bits=8), "--scheme W4A16 quantizes weights to 4 bits, not --bits 8; drop --bits"),
     (dict(scheme="W8A16", group_size=64), "not --group-size 64"),
     (dict(scheme="w4a16", sym=False), "--scheme W4A16 is symmetric; drop --sym/--asym"),
-    (dict(scheme="nvfp4a16", method="gptq"), "round-to-nearest only"),
+    (dict(scheme="nvfp4a16", method="awq"), "written by --method rtn or gptq (AWQ and transforms on float grids"),
+    (dict(scheme="nvfp4a16", method="gptq", options={"mse": False}), "float grid takes only damp_percent"),
+    (dict(scheme="nvfp4a16", options={"mse": False}), "with round-to-nearest takes no method options"),
     (dict(scheme="nvfp4"), "needs calibrated activation scales"),
     (dict(scheme="w8a8", method="gptq"), "quantizes activations; method 'gptq' does not"),
     (dict(scheme="nope"), "unknown scheme 'nope'; choose one of"),
