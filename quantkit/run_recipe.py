@@ -172,10 +172,13 @@ def non_default_options(recipe) -> dict[str, Any]:
     `options:` hands each to the one step declaring it)."""
     from quantkit.quantizers.recipe import build_recipe
 
-    default = build_recipe(method_spec(recipe), {})
+    try:
+        defaults = [s.options for s in build_recipe(method_spec(recipe), {}).steps]
+    except QuantkitError:  # a Step class of the caller's own (`quantize(method=MyStep())`), registered by no name:
+        defaults = [type(s).options_spec for s in recipe.steps]  # its own declared defaults
     out: dict[str, Any] = {}
-    for step, base in zip(recipe.steps, default.steps):
-        out.update({k: _plain(v) for k, v in step.options.items() if base.options.get(k) != v})
+    for step, base in zip(recipe.steps, defaults):
+        out.update({k: _plain(v) for k, v in step.options.items() if base.get(k) != v})
     return out
 
 

@@ -316,3 +316,23 @@ def test_scheme_disagreeing_with_a_flag_exits_2_on_the_command_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert lines == ["error: --scheme W4A16 quantizes weights groups of 128, not --group-size 32; drop --group-size"]
+
+
+def test_a_step_of_the_callers_own_writes_its_recipe_yaml(tiny_llama_dir, tmp_path):
+    """`quantize(method=MyStep(...))`: a Step class registered by no name still gets a recipe.yaml that
+    names it and its non-default options (measured against the class's own declared defaults)."""
+    from quantkit.quantizers.base import Quantizer
+    from quantkit.quantizers.grid import rtn_quantize
+
+    class ScaledRTN(Quantizer):
+        name = "scaled-rtn-of-my-own"
+        options_spec = {"factor": 1.0}
+
+        def quantize_linear(self, name, module, scheme):
+            w = module.weight.data * float(self.options["factor"])
+            return rtn_quantize(w, scheme.bits, scheme.group_size, scheme.sym, module.bias)
+
+    quantkit.quantize(str(tiny_llama_dir), ScaledRTN(factor=1.5), group_size=32, output=tmp_path / "mine",
+                      progress=False)
+    rec = recipe_of(tmp_path / "mine")
+    assert (rec["method"], rec["options"]) == ("scaled-rtn-of-my-own", {"factor": 1.5})
