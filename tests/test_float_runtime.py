@@ -202,3 +202,13 @@ def test_moe_experts_written_per_expert_and_loaded(tmp_path, name):
             tmp_path / name, dtype=torch.float32,
             quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
         assert torch.equal(hf.model.layers[1].mlp.experts.gate_up_proj, oracle.model.layers[1].mlp.experts.gate_up_proj)
+
+
+def test_a_malformed_config_is_not_taken_for_a_float_one():
+    """The loader asks is_float_config first; a damaged config must reach the integer reader's one-line
+    refusal instead of crashing here (found by test_robustness's checkpoint fuzzer)."""
+    from quantkit.formats.ct_float_layouts import is_float_config
+
+    for qcfg in ({"config_groups": "x"}, {"config_groups": ["x"]}, None, "x", {"config_groups": {"g": "x"}}):
+        assert is_float_config(qcfg) is False
+    assert is_float_config({"config_groups": {"g": {"format": "nvfp4-pack-quantized"}}}) is True

@@ -50,7 +50,10 @@ def args_from_config(d: dict) -> QuantArgs:
 
 def is_float_config(qcfg: dict) -> bool:
     """Whether a compressed-tensors quantization_config stores any group in a float layout."""
-    groups = (qcfg or {}).get("config_groups") or {}
+    if not isinstance(qcfg, dict):
+        return False
+    groups = qcfg.get("config_groups")
+    groups = groups if isinstance(groups, dict) else {}  # malformed: the integer reader refuses it in one line
     formats = {g.get("format") for g in groups.values() if isinstance(g, dict)} | {qcfg.get("format")}
     return bool(formats & set(LAYOUTS))
 
