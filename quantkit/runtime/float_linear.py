@@ -18,10 +18,11 @@ from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.float_codecs import activations
+from quantkit.runtime.packed_buffers import PackedBuffers
 from quantkit.scheme_presets import QuantArgs
 
 
-class FloatLinear(nn.Module):
+class FloatLinear(PackedBuffers):
     def __init__(self, layout: ModuleType, weights: QuantArgs, input_activations: Optional[QuantArgs],
                  in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -50,21 +51,14 @@ class FloatLinear(nn.Module):
             w = self._weight_cache[dtype] = w32.to(dtype)
         return w
 
+    def packed_buffer_names(self):
+        return self.packed_shapes
+
     def _apply(self, fn, *args, **kwargs):
         """Device moves reach the checkpoint's tensors, dtype casts do not (``model.to(torch.bfloat16)`` must
         not turn float8 codes or float32 scales into something else); the cached weight is dropped."""
         self._weight_cache.clear()
-        order = list(self._buffers)
-        packed = {name: self._buffers.pop(name) for name in self.packed_shapes}
-        try:
-            super()._apply(fn, *args, **kwargs)
-        finally:
-            for name, t in packed.items():
-                packed[name] = t.to(fn(torch.empty(0, device=t.device)).device)
-            rest = dict(self._buffers)
-            self._buffers.clear()
-            self._buffers.update({name: packed[name] if name in packed else rest[name] for name in order})
-        return self
+        return super()._apply(fn, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

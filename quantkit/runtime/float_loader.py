@@ -14,23 +14,17 @@ from typing import Optional
 import torch
 from torch import nn
 
-from quantkit.errors import QuantkitError, first_line
+from quantkit.errors import QuantkitError
 from quantkit.finite import require_finite
 from quantkit.formats.ct_float_layouts import float_groups, group_of
 from quantkit.notices import notice
 from quantkit.runtime.float_linear import FloatLinear
-from quantkit.runtime.loader import (_assign_state, _cast_unquantized, _check_layer_count, default_compute_dtype,
-                                     experts_as_linears, read_state_dict, unquantized_config)
+from quantkit.runtime.loader import empty_model_and_state, fill_and_place
 
 
 def load_float_model(folder: Path, qcfg: dict, files: list[Path], backend: str, device: torch.device,
                      dtype: Optional[str], trust_remote_code: bool):
     """The transformers model of a float checkpoint in `folder`, its quantized linears `FloatLinear`s."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    from quantkit.sources import parse_dtype
-
     if backend not in ("auto", "reference"):
         notice(f"quantkit: float checkpoints run on the reference path (dequantized weights); backend {backend} "
                "has no float kernel")
@@ -41,18 +35,7 @@ def load_float_model(folder: Path, qcfg: dict, files: list[Path], backend: str, 
     ignore = qcfg.get("ignore") or []
     if not isinstance(ignore, list):
         raise QuantkitError(f"{folder}/config.json: quantization_config's ignore must be a list")
-    config = unquantized_config(folder, trust_remote_code)
-    act_dtype = parse_dtype(dtype) or default_compute_dtype(config, device)
-    state, where = read_state_dict(files, with_files=True)
-    _check_layer_count(config, state, folder)
-    try:
-        with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=act_dtype, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # a config transformers cannot build from
-        raise QuantkitError(f"{folder}/config.json: cannot build the model ({first_line(exc)})") from None
-    adapter = experts_as_linears(model)
-    if adapter is not None:  # the checkpoint's names (Mixtral's block_sparse_moe.experts.e.w1) -> the model's
-        state, where = ({adapter.model_name(k): v for k, v in d.items()} for d in (state, where))
+    model, act_dtype, state, where, adapter = empty_model_and_state(folder, files, dtype, device, trust_remote_code)
     rename = adapter.checkpoint_name if adapter is not None else (lambda n: n)
     floats = {}
     for name, module in list(model.named_modules()):
@@ -83,10 +66,7 @@ def load_float_model(folder: Path, qcfg: dict, files: list[Path], backend: str, 
         floats[name] = layer
     if not floats:
         raise QuantkitError(f"{folder}/config.json: no linear of this model matches a config group's targets")
-    _assign_state(model, state, folder, where)
-    _cast_unquantized(model, act_dtype)
-    model.to(device)
-    model.eval()
+    fill_and_place(model, state, where, folder, act_dtype, device)
     for name, layer in floats.items():
         for suffix in layer.packed_shapes:
             t = getattr(layer, suffix)

@@ -210,25 +210,11 @@ def load_model(path: str, backend: str = "auto", device: Optional[str] = None, d
         from quantkit.runtime.float_loader import load_float_model
 
         return load_float_model(folder, qcfg, files, backend, device, dtype, trust_remote_code)
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
     from quantkit.formats import get_format
     from quantkit.runtime.quant_linear import QuantLinear
 
     fmt = get_format(QUANT_METHOD_TO_FORMAT[method])
-    config = unquantized_config(folder, trust_remote_code)
-    act_dtype = parse_dtype(dtype) or default_compute_dtype(config, device)
-    state, where = read_state_dict(files, with_files=True)
-    _check_layer_count(config, state, folder)
-    try:
-        with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=act_dtype, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # a config transformers cannot build from (zero heads, wrong types, ...)
-        raise QuantkitError(f"{folder}/config.json: cannot build the model ({first_line(exc)})") from None
-    adapter = experts_as_linears(model)
-    if adapter is not None:  # the checkpoint's names (Mixtral's block_sparse_moe.experts.e.w1) -> the model's
-        state, where = ({adapter.model_name(k): v for k, v in d.items()} for d in (state, where))
+    model, act_dtype, state, where, adapter = empty_model_and_state(folder, files, dtype, device, trust_remote_code)
     try:
         specs = quantized_specs(fmt, qcfg, model, adapter)
     except QuantkitError as exc:
@@ -244,14 +230,46 @@ def load_model(path: str, backend: str = "auto", device: Optional[str] = None, d
         packed_file = next((where[f"{name}.{s}"] for s in module._packed_names if f"{name}.{s}" in where), folder)
         module.source = f"{packed_file} ({name})"  # unpacking (first forward) names the file in its errors
         setattr(parent, child, module)
-    _assign_state(model, state, folder, where)
-    _cast_unquantized(model, act_dtype)
-    model.to(device)
-    model.eval()
+    fill_and_place(model, state, where, folder, act_dtype, device)
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.set_backend(backend)
     return model
+
+
+def empty_model_and_state(folder: Path, files: list[Path], dtype: Optional[str], device: torch.device,
+                          trust_remote_code: bool):
+    """(the model built on the meta device from the checkpoint's unquantized config, its compute dtype, the
+    checkpoint's tensors and the file each came from, both keyed by the model's names, the MoE adapter or
+    None): what every quantized loader starts from before it swaps in its own linears."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.sources import parse_dtype
+
+    config = unquantized_config(folder, trust_remote_code)
+    act_dtype = parse_dtype(dtype) or default_compute_dtype(config, device)
+    state, where = read_state_dict(files, with_files=True)
+    _check_layer_count(config, state, folder)
+    try:
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=act_dtype, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # a config transformers cannot build from (zero heads, wrong types, ...)
+        raise QuantkitError(f"{folder}/config.json: cannot build the model ({first_line(exc)})") from None
+    adapter = experts_as_linears(model)
+    if adapter is not None:  # the checkpoint's names (Mixtral's block_sparse_moe.experts.e.w1) -> the model's
+        state, where = ({adapter.model_name(k): v for k, v in d.items()} for d in (state, where))
+    return model, act_dtype, state, where, adapter
+
+
+def fill_and_place(model: nn.Module, state: dict, where: dict, folder: Path, act_dtype: torch.dtype,
+                   device: torch.device) -> None:
+    """The rest of the checkpoint's tensors into `model` (its quantized linears already swapped in), the
+    unquantized ones cast to `act_dtype`, all on `device`, in eval mode."""
+    _assign_state(model, state, folder, where)
+    _cast_unquantized(model, act_dtype)
+    model.to(device)
+    model.eval()
 
 
 def experts_as_linears(model: nn.Module):

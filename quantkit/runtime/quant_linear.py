@@ -8,15 +8,15 @@ state-dict load, a device move or ``set_backend``; it reads bits only through ``
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import LinearSpec, get_format
 from quantkit.qtensor import QuantizedWeight
 from quantkit.runtime import backends
+from quantkit.runtime.packed_buffers import PackedBuffers
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(PackedBuffers):
     def __init__(self, spec: LinearSpec, format_name: str, bias: bool = False,
                  dtype: torch.dtype = torch.float16, backend: str = "auto"):
         super().__init__()
@@ -90,21 +90,14 @@ class QuantLinear(nn.Module):
             raise QuantkitError(f"{source}: {exc}") from None
         self._impl = backends.build(name, qw, device)
 
+    def packed_buffer_names(self):
+        return self._packed_names
+
     def _apply(self, fn, *args, **kwargs):
         """Device moves reach the packed buffers, dtype casts do not: ``model.to(torch.bfloat16)``
         must not round fp16 scales (the checkpoint's exact values). The prepared backend is dropped."""
         self.invalidate()
-        order = list(self._buffers)
-        packed = {name: self._buffers.pop(name) for name in self._packed_names}
-        try:
-            super()._apply(fn, *args, **kwargs)
-        finally:
-            for name, t in packed.items():
-                packed[name] = t.to(fn(torch.empty(0, device=t.device)).device)
-            rest = dict(self._buffers)
-            self._buffers.clear()
-            self._buffers.update({name: packed[name] if name in packed else rest[name] for name in order})
-        return self
+        return super()._apply(fn, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._impl is None:
