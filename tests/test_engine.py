@@ -24,7 +24,8 @@ from quantkit.engine.sequence import Sequence, SequenceStatus
 from quantkit.errors import QuantkitError
 from quantkit.kernels import paged_attention as pa
 from quantkit.kernels import triton_support
-from tiny_models import ForcingSampler, assert_engine_logits, assert_pool_full, greedy, hf_greedy, tiny_model
+from tiny_models import (ForcingSampler, assert_engine_logits, assert_pool_full, greedy, hf_greedy, tiny_model,
+                         with_rtn_quantlinears)
 from tiny_models import prompts as _prompts
 
 
@@ -862,17 +863,7 @@ def test_api_generate_text_and_run_bench(tiny_llama_dir):
 def test_fused_quantized_projections_match_per_module_forward(kind):
     """q/k/v and gate/up of QuantLinear layers run as one stacked matmul each (engine.fused): the
     logits equal transformers' own forward through the separate quantized modules."""
-    from quantkit.quantizers.grid import rtn_quantize
-    from quantkit.runtime.quant_linear import QuantLinear
-
-    model = tiny_model(kind)
-    for layer in model.model.layers:
-        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
-            for n in names:
-                lin = getattr(parent, n)
-                qw = rtn_quantize(lin.weight.data, 4, 16, False, lin.bias)
-                setattr(parent, n, QuantLinear.from_quantized(qw, "gptq", dtype=torch.float32, backend="reference"))
+    model = with_rtn_quantlinears(tiny_model(kind), group_size=16, sym=False, backend="reference")
     x = torch.randint(3, 256, (2, 13), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         want = model(x).logits

@@ -12,7 +12,7 @@ from quantkit.engine import LLMEngine
 from quantkit.engine.sampler import Sampler
 from quantkit.engine.static_step import batch_buckets, block_table_width, pick_bucket
 from quantkit.errors import QuantkitError
-from tiny_models import assert_pool_full, greedy, tiny_model
+from tiny_models import assert_pool_full, greedy, tiny_model, with_rtn_quantlinears
 from tiny_models import prompts as _prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -43,20 +43,6 @@ def test_buckets_and_bucket_choice():
     assert block_table_width(10, 4, 20) == 3
 
 
-def _quantize_int4(model, backend="auto"):
-    from quantkit.quantizers.grid import rtn_quantize
-    from quantkit.runtime.quant_linear import QuantLinear
-
-    for layer in model.model.layers:
-        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
-            for n in names:
-                lin = getattr(parent, n)
-                qw = rtn_quantize(lin.weight.data, 4, 32, True, lin.bias)
-                setattr(parent, n, QuantLinear.from_quantized(qw, "gptq", dtype=torch.float32, backend=backend))
-    return model
-
-
 def _run(model, prompts, max_tokens, cuda_graph, kv="auto"):
     eng = LLMEngine(model, block_size=4, num_kv_blocks=64, max_num_seqs=8, cuda_graph=cuda_graph,
                     graph_buckets=(1, 2, 4), kv_cache_dtype=kv)
@@ -73,7 +59,7 @@ def test_static_step_gives_the_eager_engines_tokens(weights, kv):
     block tables, the eager CPU step a gather over slots), and the K/V in the pool's blocks is the same."""
     model = tiny_model("llama")
     if weights == "int4":
-        model = _quantize_int4(model)
+        model = with_rtn_quantlinears(model)
     prompts = _prompts(6, [5, 9, 3, 12, 7, 4], seed=3)
     max_tokens = [3, 5, 7, 9, 11, 14]
     eager, want = _run(model, prompts, max_tokens, False, kv)
@@ -118,7 +104,7 @@ def test_static_step_with_the_triton_kernels_under_the_interpreter(int4):
         pytest.skip("triton interpreter not active")
     model = tiny_model("llama", num_hidden_layers=1)
     if int4:
-        model = _quantize_int4(model, backend="triton")
+        model = with_rtn_quantlinears(model, backend="triton")
     prompts = _prompts(3, [6, 3, 9], seed=2)
     max_tokens = [2, 4, 6]
     runs = {}

@@ -98,3 +98,19 @@ def assert_engine_logits(model, x: torch.Tensor, want: torch.Tensor, prefill_blo
     torch.testing.assert_close(torch.stack(eng.sampler.logits), want[row, prefix - 1:-1], atol=1e-4, rtol=1e-4)
     assert_pool_full(eng)
     return eng
+
+
+def with_rtn_quantlinears(model, group_size: int = 32, sym: bool = True, backend: str = "auto"):
+    """`model` (a Llama-style tiny model, changed in place) with each decoder layer's attention and MLP
+    linears replaced by their 4-bit RTN `QuantLinear` (gptq layout, fp32 compute) on `backend`."""
+    from quantkit.quantizers.grid import rtn_quantize
+    from quantkit.runtime.quant_linear import QuantLinear
+
+    for layer in model.model.layers:
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for n in names:
+                lin = getattr(parent, n)
+                qw = rtn_quantize(lin.weight.data, 4, group_size, sym, lin.bias)
+                setattr(parent, n, QuantLinear.from_quantized(qw, "gptq", dtype=torch.float32, backend=backend))
+    return model
