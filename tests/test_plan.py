@@ -103,8 +103,11 @@ def test_awq_is_finished_on_the_symmetric_grid_its_search_simulates():
     assert Recipe.of(get_quantizer("awq")).quantizer.options["sym_range"] == "exact"
     centred = build_recipe("awq", {"sym_range": "centred"})
     assert centred.transforms[0].options["sym_range"] == "centred" == centred.quantizer.options["sym_range"]
-    # in awq,gptq the option is AWQ's alone (GPTQ keeps its own grid)
-    assert build_recipe("awq,gptq", {"sym_range": "centred"}).transforms[0].options["sym_range"] == "centred"
+    # in awq,gptq both steps declare it (GPTQ's grid has a sym_range too, e.g. "full"): refused, not guessed
+    with pytest.raises(QuantkitError, match="'sym_range' belongs to several steps"):
+        build_recipe("awq,gptq", {"sym_range": "centred"})
+    assert build_recipe("awq,gptq", {}).transforms[0].options["sym_range"] == "exact"
+    assert build_recipe("awq,gptq", {}).quantizer.options["sym_range"] == "centred"
     with pytest.raises(QuantkitError, match="sym_range must be one of centred, exact"):
         build_recipe("awq", {"sym_range": "half"})
     with pytest.raises(QuantkitError, match="sym_range must be one of centred, exact"):

@@ -20,6 +20,7 @@ from quantkit.quantizers.base import LayerContext, Quantizer, register_step
 from quantkit.quantizers.gptq_core import CrossAccumulator, HessianAccumulator, act_order_kind, asymmetric_target
 from quantkit.quantizers.gptq_shares import SharedSolver
 from quantkit.quantizers.gguf_grid import choose_grid
+from quantkit.quantizers.grid import check_sym_range
 from quantkit.scheme import LinearScheme
 
 
@@ -40,6 +41,9 @@ class GPTQQuantizer(Quantizer):
         # each group's range shrunk to its lowest rounding error (grid.find_qparams): lower KL on both
         # held-out texts (docs/defaults.yaml), computed once per group with static groups
         "mse": True,
+        # where a symmetric group's grid puts +-absmax (quantizers.grid.SYM_RANGES): "full" is
+        # auto-round's signed absmax/8 (docs/signround.md has its measurement)
+        "sym_range": "centred",
         "offload_hessians": False,
         # GPTAQ: quantize each linear to reproduce the unquantized model's output from the quantized
         # model's inputs (needs the unquantized model's inputs beside them: the staged strategy, one
@@ -55,6 +59,7 @@ class GPTQQuantizer(Quantizer):
             raise QuantkitError(f"damp_percent must be in (0, 1), got {o['damp_percent']}")
         if int(o["block_size"]) < 1:
             raise QuantkitError(f"block_size must be positive, got {o['block_size']}")
+        check_sym_range(o["sym_range"], "gptq option ")
         alpha = o["gptaq_alpha"]
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
             raise QuantkitError(f"gptaq_alpha must be a number in (0, 1], got {alpha!r}")
@@ -149,7 +154,8 @@ class GPTQQuantizer(Quantizer):
             comm, name, weight if grid is None else grid.shifted(weight), H, bits=scheme.bits, group_size=scheme.group_size,
             sym=scheme.sym, block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
             act_order=bool(o["desc_act"]), static_groups=bool(o["static_groups"]), mse=bool(o["mse"]),
-            qparams=None if grid is None else (grid.scale, grid.zero), return_rounded=self.keep_rounded and grid is None,
+            sym_range=o["sym_range"], qparams=None if grid is None else (grid.scale, grid.zero),
+            return_rounded=self.keep_rounded and grid is None,
         )
         rounded = stats.pop("rounded", None)
         if grid is not None:  # the codes GPTQ chose on the fixed grid, with the grid's offsets and k-quant scales

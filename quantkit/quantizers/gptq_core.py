@@ -310,7 +310,8 @@ def _updated_columns(WT, Hinv, Err1, c1: int, c2: int, i1: int, s1: int, s2: int
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
-def _solve_columns(WT, codesT, QT, row_loss, Hinv, col_group, gs, bits, sym, mse, block_size, static):
+def _solve_columns(WT, codesT, QT, row_loss, Hinv, col_group, gs, bits, sym, mse, block_size, static,
+                   sym_range="centred"):
     """GPTQ's column loop over the transposed weights WT [k, n] (codesT, QT, row_loss filled in
     place). Returns the scales and lowest centred codes of the groups it formed, in processing
     order (empty lists with static groups).
@@ -348,7 +349,7 @@ def _solve_columns(WT, codesT, QT, row_loss, Hinv, col_group, gs, bits, sym, mse
                     current_group = g
                     if col_group is None:  # a new group: its scale from the fully updated weights
                         xg = _updated_columns(WT, Hinv, Err1, col, col + gs, i1, s1, s2, i2)
-                        s_new, z_new = find_qparams(xg.t(), bits, sym, mse)
+                        s_new, z_new = find_qparams(xg.t(), bits, sym, mse, sym_range=sym_range)
                         group_scale.append(s_new)
                         group_lo.append(-z_new)
                         group_hi.append(maxq - z_new)
@@ -373,11 +374,12 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
                   block_size: int = 128, damp_percent: float = 0.01, act_order: bool = False,
                   static_groups: bool = False, mse: bool = False, bias: Optional[torch.Tensor] = None,
                   return_dequant: bool = False, qparams: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                  return_rounded: bool = False) -> tuple[QuantizedWeight, dict]:
+                  return_rounded: bool = False, sym_range: str = "centred") -> tuple[QuantizedWeight, dict]:
     """Quantize weight [N, K] with GPTQ given the layer-input Hessian H [K, K].
 
     `qparams` = (scale, zero), float32 [N, K / group_size] each: a grid fixed in advance by a target
     format (GGUF's blocks), used like static groups instead of computing scales from the weights.
+    `sym_range`: where a symmetric group's grid puts +-absmax (quantizers.grid.SYM_RANGES).
 
     Returns the QuantizedWeight in the original column order and a stats dict:
     loss (the reference "error": sum of err^2 / 2), damp (absolute value added to diag H),
@@ -432,7 +434,7 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
 
     static_scale = static_zero = None
     if group_size == -1:
-        static_scale, static_zero = find_qparams(W, bits, sym, mse)  # one group: order-free
+        static_scale, static_zero = find_qparams(W, bits, sym, mse, sym_range=sym_range)  # one group: order-free
         static_scale, static_zero = static_scale.unsqueeze(1), static_zero.unsqueeze(1)
     elif qparams is not None:  # a target format's fixed grid
         static_scale, static_zero = (q.to(device=dev, dtype=torch.float32) for q in qparams)
@@ -440,7 +442,7 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
             raise ValueError(f"qparams must be [{n}, {n_groups}] each, got {tuple(static_scale.shape)}")
         static_groups = True
     elif static_groups:  # all groups up front, from the original weights in original order
-        s, z = find_qparams(W.reshape(n * n_groups, gs), bits, sym, mse)
+        s, z = find_qparams(W.reshape(n * n_groups, gs), bits, sym, mse, sym_range=sym_range)
         static_scale, static_zero = s.view(n, n_groups), z.view(n, n_groups)
 
     perm = invperm = None
@@ -496,7 +498,7 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
         static = (static_scale.t().contiguous(), (-static_zero).t().contiguous(), (maxq - static_zero).t().contiguous())
     with _single_thread_on_cpu(dev):
         group_scale, group_lo = _solve_columns(WT, codesT, QT, row_loss, Hinv, col_group, gs, bits, sym, mse,
-                                               block_size, static)
+                                               block_size, static, sym_range)
     # the zero point of every group ([groups, n]; dynamic groups in processing order), added back
     zero_table = static_zero.t() if static_scale is not None else -torch.stack(group_lo)
     processed_group = (torch.tensor(col_group, device=dev) if col_group is not None

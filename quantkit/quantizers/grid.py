@@ -1,9 +1,9 @@
 """Integer grids: scale/zero selection and rounding, shared by every weight quantizer.
 
 One place decides the conventions (GPTQ's): symmetric uses scale = 2*absmax/(2**b - 1) with the
-zero fixed at 2**(b-1) (`sym_range` "centred"; "exact" is AutoAWQ's absmax/(2**(b-1) - 1), see
-SYM_RANGES); asymmetric uses scale = (max - min)/(2**b - 1) over a range widened to include 0,
-zero = round(-min/scale). Scales are rounded to the storage dtype (fp16) *before*
+zero fixed at 2**(b-1) (`sym_range` "centred"; "exact" is AutoAWQ's absmax/(2**(b-1) - 1), "full"
+auto-round's signed absmax/2**(b-1), see SYM_RANGES); asymmetric uses scale = (max - min)/(2**b - 1)
+over a range widened to include 0, zero = round(-min/scale). Scales are rounded to the storage dtype (fp16) *before*
 the codes are computed, so a packed checkpoint dequantizes to exactly what the quantizer saw.
 """
 from __future__ import annotations
@@ -30,7 +30,13 @@ MSE_COARSE_STEP = 4
 #            on codes +-7 exactly (code -8 goes unused), a 7 % coarser step. AWQ scales its salient
 #            input channels up until they hold their groups' largest weights, which this grid keeps
 #            exact (docs/defaults.yaml has the measurement).
-SYM_RANGES = ("centred", "exact")
+#   full     scale = signed absmax/2**(b-1) (absmax/8), auto-round's `int_sym` and llama.cpp's Q4_0: the
+#            scale's sign is chosen so the group's largest-magnitude weight lands on code -8 exactly, so
+#            that side gets 8 steps and the other 7 (a grid mirrored per group, not only a smaller step:
+#            the centred grid's MSE search shrinks the step but always gives the positive side 7).
+#            The scale is negative where the positive extreme dominates; storage is unchanged (codes
+#            0..15, zero 8, fp16 scales: dequantized (q - 8) * scale by every reader).
+SYM_RANGES = ("centred", "exact", "full")
 
 
 def max_code(bits: int) -> int:
@@ -53,13 +59,19 @@ def compute_qparams(w: torch.Tensor, bits: int, sym: bool, clip_ratio: float | t
     xmax = torch.clamp(w.amax(dim=1), min=0.0) * clip_ratio
     if sym:
         amax = torch.maximum(xmin.abs(), xmax)
-        scale = 2.0 * amax / maxq if check_sym_range(sym_range) == "centred" else amax / (maxq // 2)
-        zero = torch.full_like(scale, float((maxq + 1) // 2))
+        half = (maxq + 1) // 2
+        if check_sym_range(sym_range) == "centred":
+            scale = 2.0 * amax / maxq
+        elif sym_range == "exact":
+            scale = amax / (maxq // 2)
+        else:  # full: the dominant extreme on code -half (auto-round: a tie gives the positive one)
+            scale = torch.where(-xmin > xmax, -xmin, -xmax) / half
+        zero = torch.full_like(scale, float(half))
     else:
         scale = (xmax - xmin) / maxq
         zero = None
     tiny = torch.finfo(SCALE_DTYPE).tiny
-    scale = torch.where(scale > tiny, scale, torch.ones_like(scale))
+    scale = torch.where(scale.abs() > tiny, scale, torch.ones_like(scale))  # all-zero (or NaN) group: 1
     scale = scale.to(SCALE_DTYPE).float()
     if zero is None:
         zero = torch.clamp(torch.round(-xmin / scale), 0, maxq)
