@@ -143,6 +143,10 @@ def _speculative_options(command):
     return command
 
 
+KV_CACHE_DTYPE_HELP = ("auto (model dtype), int8 or fp8 (per-token-head dynamic scales; on a checkpoint written with "
+                       "quantize --kv-cache-scheme, fp8 uses its calibrated static scales, as vLLM does).")
+
+
 @cli.command()
 @click.option("--model", default="demo", show_default=True, help="Quantized checkpoint, HF folder, or 'demo'.")
 @click.option("--prompt", required=True)
@@ -153,7 +157,7 @@ def _speculative_options(command):
 @click.option("--top-k", type=int, default=0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--backend", default="auto", show_default=True)
-@click.option("--kv-cache-dtype", default="auto", show_default=True, help="auto (model dtype), int8 or fp8.")
+@click.option("--kv-cache-dtype", default="auto", show_default=True, help=KV_CACHE_DTYPE_HELP)
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--dtype", default=None)
 @click.option("--device", default=None)
@@ -186,7 +190,7 @@ def generate(model, prompt, max_new_tokens, chat, temperature, top_p, top_k, see
               help="Prompts run together (continuous batching), as --batch-size counts sequences everywhere.")
 @click.option("--input-len", type=int, default=128, show_default=True)
 @click.option("--output-len", type=int, default=128, show_default=True)
-@click.option("--kv-cache-dtype", default="auto", show_default=True, help="auto (model dtype), int8 or fp8.")
+@click.option("--kv-cache-dtype", default="auto", show_default=True, help=KV_CACHE_DTYPE_HELP)
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--kv-cache-memory", default=None, help="KV pool size in bytes (default: a fraction of free memory).")
 @click.option("--backend", default="auto", show_default=True)

@@ -11,6 +11,11 @@ Quantized caches (``kv_cache_dtype``):
   head, ``scale = absmax / 448`` (the e4m3 maximum), so each vector uses the full fp8 range. A
   dynamic scale costs 4 bytes per 64-128 values but needs no calibration, unlike a fixed
   per-tensor scale, and cannot overflow.
+* ``"fp8"`` with ``static_scales`` (a checkpoint written by ``quantize --kv-cache-scheme``, read by
+  ``quantkit.runtime.kv_scales``): each layer's calibrated scale (per tensor or per KV head,
+  ``absmax / 448`` over the calibration tokens) instead, as vLLM applies a checkpoint's ``k_scale`` /
+  ``v_scale``; values beyond the calibrated range saturate at +-448. The per-slot scale tensors hold
+  that value, so every attention path reads the cache alike (no memory is saved by it here).
 
 Scales live in ``k_scale`` / ``v_scale`` ``[layers, num_blocks, block_size, num_kv_heads]``.
 Values are dequantized (``q * scale``) when attention reads them. A prefill without cached prefix
@@ -90,6 +95,14 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return q, scale
 
 
+def quantize_kv_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, KVH, D] -> (fp8 q, fp32 scale [N, KVH]) with one calibrated fp32 scale per KV head `scale`
+    [KVH] (a per-tensor scale repeated); saturating at +-448 as vLLM's fp8 cache writes do."""
+    s = scale.to(device=x.device, dtype=torch.float32)
+    q = (x.float() / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, s.expand(x.shape[:-1])
+
+
 def dequantize_kv(q: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     if scale is None:
         return q.to(dtype)
@@ -99,8 +112,20 @@ def dequantize_kv(q: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.d
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  model_dtype: torch.dtype, kv_cache_dtype: Union[str, torch.dtype, None] = "auto",
-                 device: Union[str, torch.device] = "cpu"):
+                 device: Union[str, torch.device] = "cpu",
+                 static_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        """``static_scales``: calibrated (k, v) fp32 scales [num_layers, num_kv_heads] for an fp8 cache
+        (quantkit.runtime.kv_scales); None: dynamic per-token-head scales."""
         self.dtype, self.quantized = resolve_kv_dtype(kv_cache_dtype, model_dtype)
+        if static_scales is not None:
+            if self.dtype != torch.float8_e4m3fn:
+                raise QuantkitError("calibrated KV-cache scales are FP8 scales; use kv_cache_dtype fp8 with them")
+            want = (num_layers, num_kv_heads)
+            if any(tuple(t.shape) != want for t in static_scales):
+                raise QuantkitError(f"calibrated KV-cache scales have shapes {[tuple(t.shape) for t in static_scales]}, "
+                                    f"the model needs {want}; the checkpoint does not match this model")
+            static_scales = tuple(t.to(device=device, dtype=torch.float32) for t in static_scales)
+        self.static_scales = static_scales
         self.model_dtype = model_dtype
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
@@ -135,7 +160,7 @@ class KVCache:
 
     @property
     def name(self) -> str:
-        return kv_dtype_name(self.dtype)
+        return kv_dtype_name(self.dtype) + ("_static" if self.static_scales is not None else "")
 
     def layer(self, i: int):
         """(k, v, k_scale, v_scale) views of layer ``i`` (scales None when not quantized)."""
@@ -152,7 +177,12 @@ class KVCache:
         if slot_mapping.numel() == 0:
             return
         kc, vc, ks, vs = self._slot_views[i]
-        if self.quantized:
+        if self.static_scales is not None:
+            k, k_scale = quantize_kv_static(k, self.static_scales[0][i])
+            v, v_scale = quantize_kv_static(v, self.static_scales[1][i])
+            ks.index_copy_(0, slot_mapping, k_scale)
+            vs.index_copy_(0, slot_mapping, v_scale)
+        elif self.quantized:
             k, k_scale = quantize_kv(k, self.dtype)
             v, v_scale = quantize_kv(v, self.dtype)
             ks.index_copy_(0, slot_mapping, k_scale)

@@ -130,8 +130,12 @@ class ModelRunner:
         # off unless asked until the CUDA path has run on a GPU (scripts/gpu_check.sh runs it both ways)
         static = bool(cuda_graph)
         # the static step's padding rows write to one scratch block past the block manager's range
+        from quantkit.runtime.kv_scales import calibrated_kv_scales
+
+        # fp8 on a checkpoint with calibrated KV scales (quantize --kv-cache-scheme): those, as vLLM uses them
+        calibrated = calibrated_kv_scales(model) if kv_dtype == torch.float8_e4m3fn else None
         self.kv_cache = KVCache(self.num_layers, self.num_blocks + int(static), block_size, self.num_kv_heads,
-                                self.head_dim, self.dtype, kv_cache_dtype, self.device)
+                                self.head_dim, self.dtype, kv_cache_dtype, self.device, static_scales=calibrated)
 
         from quantkit.engine import c_decode_step
 

@@ -259,6 +259,9 @@ def empty_model_and_state(folder: Path, files: list[Path], dtype: Optional[str],
     adapter = experts_as_linears(model)
     if adapter is not None:  # the checkpoint's names (Mixtral's block_sparse_moe.experts.e.w1) -> the model's
         state, where = ({adapter.model_name(k): v for k, v in d.items()} for d in (state, where))
+    from quantkit.runtime.kv_scales import take_kv_scales
+
+    take_kv_scales(read_config(folder).get("quantization_config"), state, where, model, folder)  # FP8 KV scales
     return model, act_dtype, state, where, adapter
 
 
