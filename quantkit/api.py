@@ -279,10 +279,10 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
     try:
         folder = stage / "checkpoint"
         ids = batch = None
-        if plan.recipe.name == "gptq":
+        if plan.calibration is not None:  # GPTQ, and FP8 / NVFP4's static input scales with either method
             plan, ids, batch = _calibration_set(plan, hf_model, tokenizer)
         float_checkpoint.write(hf_model, p, folder, ignore=plan.scheme.ignore, method=plan.recipe.name,
-                               calibration=ids, options=non_default_options(plan.recipe) if ids is not None else None,
+                               calibration=ids, options=non_default_options(plan.recipe),
                                batch_size=batch or 8, progress=bool(args["progress"]))
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)

@@ -84,8 +84,8 @@ class QuantizePlan:
 
     @property
     def float_preset(self) -> Optional[SchemePreset]:
-        """The named float scheme this run writes (FP8 / NVFP4 / MXFP4), None for the integer path."""
-        return self.preset if self.preset is not None and self.preset.weights.kind == "float" else None
+        """The named float scheme this run writes (FP8 / NVFP4 / MXFP4 / W4AFP8), None for the integer path."""
+        return self.preset if self.preset is not None and self.preset.float_grid else None
 
     def method_info(self) -> dict[str, Any]:
         """What the model card and the resume fingerprint record of the method: nothing it did not use."""
@@ -193,7 +193,7 @@ def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = Non
                                                                          format)
     recipe = build_recipe(method if method is not None else rec.get("method", DEFAULT_METHOD),
                           {**(rec.get("options") or {}), **(options or {})})
-    if preset is not None and preset.weights.kind == "float":
+    if preset is not None and preset.float_grid:
         _check_float_preset(preset, recipe, options, gguf_type)
     quant_scheme = _scheme(recipe, rec.get("scheme") or {}, bits=bits, group_size=group_size, sym=sym, ignore=ignore)
     gguf_type = gguf_type if gguf_type is not None else rec.get("gguf_type")
@@ -202,12 +202,13 @@ def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = Non
         format_name, gguf_type = "gguf", _gguf_type(recipe, quant_scheme, gguf_type)
     elif gguf_type is not None:
         raise QuantkitError("--gguf-type needs --format gguf")
-    elif preset is None or preset.weights.kind != "float":
+    elif preset is None or not preset.float_grid:
         _check_format(recipe, format_name)
     replay = replay_of(rec, str(recipe_file), calibration or {}, flags_given) if rec else None
     return QuantizePlan(recipe=recipe, scheme=quant_scheme, format=format_name, gguf_type=gguf_type, preset=preset,
                         replay=replay,
-                        calibration=_calibration(recipe, rec.get("calibration") or {}, calibration or {}))
+                        calibration=_calibration(recipe, rec.get("calibration") or {}, calibration or {},
+                                                 needed=preset is not None and preset.calibrates_activations))
 
 
 def _named_scheme(scheme: Optional[str], rec: dict, method, bits, group_size, sym, format):
@@ -240,13 +241,11 @@ def _preset_flags(name: str, method, *, bits, group_size, sym, format):
     if g == "auto":
         raise QuantkitError(f"--scheme {p.name} fixes the group size; drop --group-size auto")
     w = p.weights
-    if w.kind == "float":
+    if p.float_grid:
         if format is not None and format != "compressed-tensors":
             raise QuantkitError(f"--scheme {p.name} is written as compressed-tensors; drop --format {format}")
         return p, method, (w.bits, None, None, "compressed-tensors")
     acts = p.input_activations
-    if acts is not None and acts.kind == "float":
-        raise QuantkitError(f"--scheme {p.name} (int weights, FP8 activations) is not written yet; use W4A16 or W8A8")
     if acts is not None:  # W8A8: int8 per-channel weights, int8 dynamic per-token activations
         method = "smoothquant" if method is None else method
         if not build_recipe(method, {}).quantizes_activations:
@@ -273,13 +272,16 @@ def _check_float_preset(p: SchemePreset, recipe: Recipe, options: Optional[dict]
                             f"float grids are not built yet); drop --method {recipe.name}")
     if gguf_type is not None:
         raise QuantkitError(f"--scheme {p.name} is a compressed-tensors scheme; drop --gguf-type")
+    if p.weights.kind == "int":  # W4AFP8: the integer RTN / GPTQ steps with their own options
+        layout_of(p)
+        return
     if recipe.name == "rtn" and options:
         raise QuantkitError(f"--scheme {p.name} with round-to-nearest takes no method options; drop them")
     unknown = sorted(set(non_default_options(recipe)) - set(FloatGPTQ.options_spec))
     if unknown:
         raise QuantkitError(f"GPTQ on --scheme {p.name}'s float grid takes only {', '.join(FloatGPTQ.options_spec)}; "
                             f"drop {', '.join(unknown)}")
-    layout_of(p)  # refuses the presets that need calibrated activation scales, with the reason
+    layout_of(p)  # the format's own refusal, with its reason
 
 
 def _gguf_type(recipe: Recipe, scheme: QuantScheme, gguf_type: Optional[str]) -> str:
@@ -315,12 +317,14 @@ def _check_format(recipe: Recipe, format_name: str) -> None:
                             "cannot store; use --format compressed-tensors")
 
 
-def _calibration(recipe: Recipe, from_file: dict, explicit: dict) -> Optional[Calibration]:
+def _calibration(recipe: Recipe, from_file: dict, explicit: dict, needed: bool = False) -> Optional[Calibration]:
+    """The calibration settings, None when neither the method nor the scheme (`needed`: a preset whose
+    checkpoint stores calibrated input scales, FP8 / NVFP4) reads data."""
     given = {k: v for k, v in explicit.items() if v is not None and v is not False}
     # a recipe.yaml's nulls mean "not chosen" (in-memory rows size themselves); its token hash is the Replay's
     from_file = {k: v for k, v in from_file.items() if v is not None and k not in TOKEN_KEYS}
     _refuse_unknown(given, CALIBRATION_KEYS, "calibration settings")
-    if not recipe.needs_calibration:
+    if not recipe.needs_calibration and not needed:
         used = sorted({*given, *from_file})
         if used:
             flags = ", ".join("--" + k.replace("_", "-") for k in used)

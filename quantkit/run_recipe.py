@@ -125,7 +125,7 @@ class ResolvedRun:
                                "method": method_spec(p.recipe), "format": p.format}
         if p.gguf_type is not None:
             out["gguf_type"] = p.gguf_type
-        out["scheme"] = preset.name if preset is not None and preset.weights.kind == "float" else scheme_dict(p.scheme)
+        out["scheme"] = preset.name if preset is not None and preset.float_grid else scheme_dict(p.scheme)
         out["options"] = non_default_options(p.recipe)
         out["calibration"] = self._calibration()
         out["output"] = {"dtype": self.dtype, "max_shard_size": self.max_shard_size}

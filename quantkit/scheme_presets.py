@@ -71,6 +71,19 @@ class SchemePreset:
     def weight_only(self) -> bool:
         return self.input_activations is None
 
+    @property
+    def calibrates_activations(self) -> bool:
+        """Whether the checkpoint stores an input scale measured on calibration data (FP8's static input_scale,
+        NVFP4's input_global_scale), so even round-to-nearest needs calibration tokens."""
+        return self.input_activations is not None and self.input_activations.dynamic is not True
+
+    @property
+    def float_grid(self) -> bool:
+        """Whether weights or activations are on a float grid: written by `quantkit.float_checkpoint` (W4AFP8's
+        int4 weights too), not by the integer path."""
+        return self.weights.kind == "float" or (self.input_activations is not None
+                                                and self.input_activations.kind == "float")
+
 
 def _int_weights(bits: int, strategy: str = "group", group_size: Optional[int] = 128, sym: bool = True) -> QuantArgs:
     return QuantArgs("int", bits, strategy, group_size=group_size, symmetric=sym)

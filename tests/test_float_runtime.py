@@ -1,13 +1,14 @@
-"""quantkit.load runs the compressed-tensors float checkpoints (#47: FP8 / NVFP4 / MXFP4) on the CPU.
+"""quantkit.load runs the compressed-tensors float checkpoints (#47: FP8 / NVFP4 / MXFP4 / W4AFP8) on the CPU.
 
 Oracles, none of them quantkit code:
 - the weights: compressed-tensors' own per-module decompressors (`BaseCompressor` registry, the classes
   transformers calls), put into a plain transformers model (dense linears, or the fused expert parameters);
 - the input activations: compressed-tensors' `compute_dynamic_scales_and_zp` + `fake_quantize`, as forward
-  pre-hooks on that plain model's linears (what compressed-tensors' own forward does).
-compressed-tensors decompresses NVFP4 into bfloat16, which rounds e2m1 * scale / global_scale; the oracle
-calls the same decompressor's two steps (`unpack_fp4_from_uint8`, `dequantize`) in float32 and checks that
-its bfloat16 rounding is exactly the decompressor's output.
+  pre-hooks on that plain model's linears (what compressed-tensors' own forward does), under the checkpoint's
+  stored input_scale / input_global_scale where the preset's activations are static (FP8, NVFP4).
+compressed-tensors decompresses NVFP4 into bfloat16 and int4 (W4AFP8) into the scales' float16, which round
+the products; the oracle calls the same decompressor's two steps (`unpack_fp4_from_uint8` / `unpack_from_int32`,
+`dequantize`) in float32 and checks that their rounding is exactly the decompressor's output.
 """
 import json
 
@@ -26,11 +27,13 @@ from tiny_models import tiny_model
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
 from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8  # noqa: E402
+from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # noqa: E402
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
 from compressed_tensors.quantization.lifecycle.forward import dequantize, fake_quantize  # noqa: E402
 from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp  # noqa: E402
 
 TOKENS = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+CALIBRATION = torch.randint(3, 256, (4, 32), generator=torch.Generator().manual_seed(2))
 
 
 def ct_decompressed(folder) -> dict[str, torch.Tensor]:
@@ -53,27 +56,44 @@ def ct_decompressed(folder) -> dict[str, torch.Tensor]:
                                global_scale=local["weight_global_scale"], dtype=torch.float32)
             assert torch.equal(exact.to(theirs.dtype), theirs), name
             out[name] = exact
+        elif group["format"] == "pack-quantized":
+            codes = unpack_from_int32(local["weight_packed"], scheme.weights.num_bits, local["weight_shape"])
+            exact = dequantize(x_q=codes, scale=local["weight_scale"].to(torch.float32), args=scheme.weights,
+                               dtype=torch.float32)
+            assert torch.equal(exact.to(theirs.dtype), theirs), name
+            out[name] = exact
         else:
             out[name] = theirs.to(torch.float32)
     return out
 
 
-def with_ct_activations(model: torch.nn.Module, name: str) -> torch.nn.Module:
-    """`model`'s linears (lm_head excepted) fake-quantize their input as compressed-tensors does for preset `name`."""
+def with_ct_activations(model: torch.nn.Module, name: str, folder=None) -> torch.nn.Module:
+    """`model`'s linears (lm_head excepted) fake-quantize their input as compressed-tensors does for preset `name`
+    (`forward_quantize`: static activations use the input_scale / input_global_scale stored in `folder`)."""
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
     args = PRESET_SCHEMES[name].get("input_activations")
     if args is None:
         return model
     args = args if isinstance(args, QuantizationArgs) else QuantizationArgs(**args)
+    state = load_file(str(folder / "model.safetensors")) if folder is not None else {}
 
-    def hook(module, inputs):
-        scale, zero_point = compute_dynamic_scales_and_zp(inputs[0], args, module)
-        return (fake_quantize(inputs[0], scale, zero_point, args),)
+    def hook_for(module_name):
+        global_scale = state.get(f"{module_name}.input_global_scale")
+        static_scale = state.get(f"{module_name}.input_scale")
+
+        def hook(module, inputs):
+            if static_scale is not None:
+                return (fake_quantize(inputs[0], static_scale, None, args),)
+            scale, zero_point = compute_dynamic_scales_and_zp(inputs[0], args, module, global_scale=global_scale)
+            return (fake_quantize(inputs[0], scale, zero_point, args, global_scale=global_scale),)
+        return hook
 
     for module_name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and module_name != "lm_head":
-            module.register_forward_pre_hook(hook)
+            if args.dynamic is not True:
+                assert (module_name + (".input_scale" if name == "FP8" else ".input_global_scale")) in state
+            module.register_forward_pre_hook(hook_for(module_name))
     return model
 
 
@@ -87,7 +107,8 @@ def test_load_runs_each_preset_as_compressed_tensors_defines_it(tmp_path, name):
     """Weights and activations both: quantkit.load's logits equal a plain transformers forward on the weights
     compressed-tensors decompresses, its inputs fake-quantized by compressed-tensors (fp32 tolerance)."""
     source = tiny_model("llama", hidden_size=128, intermediate_size=256)  # FP8_BLOCK's activations: groups of 128
-    write(source, preset(name), tmp_path / name)
+    static = preset(name).calibrates_activations  # FP8, NVFP4: input scales measured on calibration tokens
+    write(source, preset(name), tmp_path / name, calibration=CALIBRATION if static else None)
     oracle = tiny_model("llama", hidden_size=128, intermediate_size=256)
     weights = ct_decompressed(tmp_path / name)
     assert len(weights) == 14  # every linear but lm_head
@@ -100,7 +121,7 @@ def test_load_runs_each_preset_as_compressed_tensors_defines_it(tmp_path, name):
     assert sorted(layers) == sorted(weights)
     for module_name, layer in layers.items():
         assert torch.equal(layer.dequantized_weight(), weights[module_name]), module_name
-    want = logits(with_ct_activations(oracle, name))
+    want = logits(with_ct_activations(oracle, name, tmp_path / name))
     got = logits(ours)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if preset(name).input_activations is not None:  # the activations really are quantized

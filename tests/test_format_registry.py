@@ -4,7 +4,7 @@ import pytest
 from quantkit.errors import QuantkitError
 from quantkit.formats import get_format, registry
 from quantkit.formats.spec import LinearSpec
-from quantkit.scheme_presets import PRESETS, preset
+from quantkit.scheme_presets import PRESETS, QuantArgs, SchemePreset, preset
 
 
 def test_every_writable_format_is_a_registered_class():
@@ -33,13 +33,17 @@ def test_layout_modules_refuse_with_the_declared_reason(fmt, spec):
 
 def test_what_each_format_stores():
     stores = {name: {p for p, s in PRESETS.items() if registry.get(name).can_store(s)[0]} for name in registry.WRITABLE}
-    # compressed-tensors holds every preset but W4AFP8 (int4 weights, FP8 activations: not written yet)
-    assert stores["compressed-tensors"] == set(PRESETS) - {"W4AFP8"}
+    # compressed-tensors holds every preset (W4AFP8: pack-quantized int4 weights under FP8 per-token inputs)
+    assert stores["compressed-tensors"] == set(PRESETS)
     assert stores["gptq"] == {"W4A16", "W8A16"}
     assert stores["awq"] == {"W4A16"}
     assert stores["gguf"] == set()  # presets' groups of 128; llama.cpp's blocks are 32 (16, 256)
-    ok, reason = registry.get("compressed-tensors").can_store(preset("W4AFP8"))
-    assert not ok and "int8 per-token or per-tensor activations, not float 8-bit per token" in reason
+    w4afp8_static = SchemePreset("W4AFP8_STATIC", preset("W4AFP8").weights, QuantArgs("float", 8, "tensor"))
+    ok, reason = registry.get("compressed-tensors").can_store(w4afp8_static)
+    assert not ok and reason == ("compressed-tensors pack-quantized stores integer weights under FP8 dynamic per-token "
+                                 "activations (W4AFP8), not float 8-bit per tensor dynamic=False")
+    ok, reason = registry.get("compressed-tensors").can_store(preset("W4AFP8"), act_order="dynamic")
+    assert not ok and reason == registry.CT_DYNAMIC_ACT_ORDER
     ok, reason = registry.get("gptq").can_store(preset("NVFP4A16"))
     assert not ok and "gptq stores integer weights, not float 4-bit" in reason
     ok, reason = registry.get("gguf").can_store(preset("MXFP4A16"))

@@ -1,6 +1,7 @@
 """A compressed-tensors quantization_config whose groups are float layouts, read into typed values.
 
-The three layout modules (`ct_float_quantized`, `ct_nvfp4`, `ct_mxfp4`) each store one linear; this module
+The layout modules (`ct_float_quantized`, `ct_nvfp4`, `ct_mxfp4`, and `ct_w4afp8` for integer weights under
+FP8 activations) each store one linear; this module
 reads the config around them: each config group's weights / input-activation args (compressed-tensors'
 QuantizationArgs schema -> `QuantArgs`, validated), its layout, and which linears it targets and ignores,
 matched as compressed-tensors matches them (`Linear` = every linear, ``re:`` a regex from the name's start,
@@ -14,10 +15,11 @@ from types import ModuleType
 from typing import Optional
 
 from quantkit.errors import QuantkitError
-from quantkit.formats import ct_float_quantized, ct_mxfp4, ct_nvfp4
+from quantkit.formats import ct_float_quantized, ct_mxfp4, ct_nvfp4, ct_w4afp8
 from quantkit.scheme_presets import QuantArgs
 
-LAYOUTS: dict[str, ModuleType] = {m.FORMAT: m for m in (ct_float_quantized, ct_nvfp4, ct_mxfp4)}
+LAYOUTS: dict[str, ModuleType] = {m.FORMAT: m for m in (ct_float_quantized, ct_nvfp4, ct_mxfp4, ct_w4afp8)}
+FLOAT_WEIGHT_FORMATS = (ct_float_quantized.FORMAT, ct_nvfp4.FORMAT, ct_mxfp4.FORMAT)
 
 
 @dataclass(frozen=True)
@@ -49,13 +51,17 @@ def args_from_config(d: dict) -> QuantArgs:
 
 
 def is_float_config(qcfg: dict) -> bool:
-    """Whether a compressed-tensors quantization_config stores any group in a float layout."""
+    """Whether a compressed-tensors quantization_config stores any group in a float layout, or quantizes a
+    group's input activations to a float grid (W4AFP8: pack-quantized integer weights, FP8 inputs)."""
     if not isinstance(qcfg, dict):
         return False
     groups = qcfg.get("config_groups")
     groups = groups if isinstance(groups, dict) else {}  # malformed: the integer reader refuses it in one line
-    formats = {g.get("format") for g in groups.values() if isinstance(g, dict)} | {qcfg.get("format")}
-    return bool(formats & set(LAYOUTS))
+    groups = [g for g in groups.values() if isinstance(g, dict)]
+    formats = {g.get("format") for g in groups} | {qcfg.get("format")}
+    float_acts = any(isinstance(g.get("input_activations"), dict) and g["input_activations"].get("type") == "float"
+                     for g in groups)
+    return bool(formats & set(FLOAT_WEIGHT_FORMATS)) or float_acts
 
 
 def float_groups(qcfg: dict) -> list[FloatGroup]:

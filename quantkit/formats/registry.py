@@ -135,8 +135,8 @@ CT_DYNAMIC_ACT_ORDER = ("compressed-tensors cannot store dynamic act-order (a pe
 
 @register
 class CompressedTensorsFormat(CheckpointFormat):
-    """compressed-tensors: integer weights pack-quantized (W2..8A16) or int-quantized (W8A8), and the float
-    presets through the float layouts below (`float_layout_for`)."""
+    """compressed-tensors: integer weights pack-quantized (W2..8A16, and W4AFP8 under FP8 per-token activations)
+    or int-quantized (W8A8), and the float presets through the float layouts below (`float_layout_for`)."""
 
     name, layout = "compressed-tensors", "quantkit.formats.compressed_tensors"
 
@@ -145,6 +145,14 @@ class CompressedTensorsFormat(CheckpointFormat):
         if w.kind == "float":
             return (OK if float_layout_for(scheme) is not None else
                     (False, "; ".join(REGISTRY[n].can_store(scheme, act_order)[1] for n in FLOAT_LAYOUTS)))
+        if a is not None and a.kind == "float":  # W4AFP8: pack-quantized int weights, FP8 dynamic per-token inputs
+            if (a.bits, a.strategy, a.dynamic) != (8, "token", True):
+                return False, (f"compressed-tensors pack-quantized stores integer weights under FP8 dynamic per-token "
+                               f"activations (W4AFP8), not {a.kind} {a.bits}-bit per {a.strategy} dynamic={a.dynamic}")
+            if w.strategy not in ("group", "channel") or not w.symmetric:
+                return False, ("compressed-tensors W4AFP8 stores symmetric integer weights per group or channel, "
+                               f"not {'symmetric' if w.symmetric else 'asymmetric'} per {w.strategy}")
+            return (False, CT_DYNAMIC_ACT_ORDER) if act_order == "dynamic" else OK
         if a is not None:
             if a.kind != "int" or a.bits != 8 or a.strategy not in ("token", "tensor"):
                 return False, (f"compressed-tensors int-quantized stores int8 per-token or per-tensor activations, "

@@ -1,0 +1,155 @@
+"""FP8 / NVFP4's calibrated input scales and W4AFP8's int4 weights under FP8 activations (#47), checked against
+oracles that are not quantkit code: plain-PyTorch hooks and arithmetic for the scales, compressed-tensors'
+`generate_gparam` and `QuantizationConfig` / preset table for the NVFP4 global scale and the config, and a
+plain-PyTorch unpacking of pack-quantized's int32 words for W4AFP8."""
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+import quantkit
+from quantkit.errors import QuantkitError
+from quantkit.float_checkpoint import write
+from quantkit.plan import resolve_plan
+from quantkit.scheme_presets import preset
+
+pytest.importorskip("compressed_tensors")
+
+CALIBRATION = torch.randint(0, 256, (6, 20), generator=torch.Generator().manual_seed(3))
+
+
+def _tiny_llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                   max_position_embeddings=128, tie_word_embeddings=True)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _hooked_inputs(model, ids) -> dict[str, torch.Tensor]:
+    """{linear name: every input it saw, concatenated} from a plain forward with pre-hooks (lm_head excepted)."""
+    seen, handles = {}, []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            handles.append(module.register_forward_pre_hook(
+                lambda m, args, name=name: seen.setdefault(name, []).append(args[0].detach().reshape(-1).clone())))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    return {n: torch.cat(v) for n, v in seen.items()}
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_fp8_input_scale_is_the_calibration_absmax_over_448(tmp_path, method):
+    inputs = _hooked_inputs(_tiny_llama(), CALIBRATION)
+    write(_tiny_llama(), preset("FP8"), tmp_path / "fp8", method=method, calibration=CALIBRATION, batch_size=8)
+    state = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    assert len(inputs) == 14
+    for name, x in inputs.items():
+        stored = state[f"{name}.input_scale"]
+        assert stored.dtype == torch.float32 and stored.shape == (1,)
+        # measured on the model as given (before GPTQ changes its weights), every calibration token
+        torch.testing.assert_close(stored, (x.abs().max() / 448.0).reshape(1), rtol=0, atol=0)
+
+
+def test_nvfp4_input_global_scale_is_compressed_tensors_generate_gparam(tmp_path):
+    from compressed_tensors.quantization.utils import generate_gparam
+
+    inputs = _hooked_inputs(_tiny_llama(), CALIBRATION)
+    write(_tiny_llama(), preset("NVFP4"), tmp_path / "nvfp4", calibration=CALIBRATION, batch_size=8)
+    state = load_file(str(tmp_path / "nvfp4" / "model.safetensors"))
+    for name, x in inputs.items():
+        want = generate_gparam(x.min().reshape(1), x.max().reshape(1))  # compressed-tensors' own definition
+        assert torch.equal(state[f"{name}.input_global_scale"], want), name
+    for layer in ("model.layers.0", "model.layers.1"):  # siblings vLLM fuses share one (they read the same input)
+        q, k, v = (state[f"{layer}.self_attn.{p}_proj.input_global_scale"] for p in "qkv")
+        assert torch.equal(q, k) and torch.equal(q, v)
+        assert torch.equal(state[f"{layer}.mlp.gate_proj.input_global_scale"],
+                           state[f"{layer}.mlp.up_proj.input_global_scale"])
+
+
+@pytest.mark.parametrize("name", ["FP8", "NVFP4", "W4AFP8"])
+def test_config_validates_as_compressed_tensors_preset(tmp_path, name):
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+
+    write(_tiny_llama(), preset(name), tmp_path / name,
+          calibration=CALIBRATION if preset(name).calibrates_activations else None)
+    qcfg = json.loads((tmp_path / name / "config.json").read_text())["quantization_config"]
+    parsed = QuantizationConfig.model_validate(qcfg)
+    (group,) = parsed.config_groups.values()
+    theirs = preset_name_to_scheme(name, ["Linear"])
+    for role in ("weights", "input_activations"):
+        got, want = getattr(group, role), getattr(theirs, role)
+        for field in ("type", "num_bits", "strategy", "group_size", "dynamic", "symmetric"):
+            assert getattr(got, field) == getattr(want, field), (role, field)
+    assert parsed.format == {"FP8": "float-quantized", "NVFP4": "nvfp4-pack-quantized", "W4AFP8": "pack-quantized"}[name]
+
+
+def _unpack_int4_words(words: torch.Tensor, k: int) -> torch.Tensor:
+    """Plain PyTorch: eight 4-bit codes per int32, least significant first along the row."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(8, dtype=torch.int64) * 4
+    return ((w.unsqueeze(-1) >> shifts) & 0xF).reshape(words.shape[0], -1)[:, :k]
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_w4afp8_weights_unpack_by_plain_pytorch(tmp_path, method):
+    model = _tiny_llama()
+    ours = write(model, preset("W4AFP8"), tmp_path / "w4", method=method,
+                 calibration=CALIBRATION if method == "gptq" else None)
+    state = load_file(str(tmp_path / "w4" / "model.safetensors"))
+    assert not any(k.endswith(("input_scale", "weight_zero_point")) for k in state)  # dynamic inputs, symmetric
+    for name, w in ours.items():
+        n, k = state[f"{name}.weight_shape"].tolist()
+        codes = _unpack_int4_words(state[f"{name}.weight_packed"], k)
+        scale = state[f"{name}.weight_scale"]
+        assert scale.shape == (n, k // 128)
+        want = (codes.float() - 8) * scale.float().repeat_interleave(128, dim=1)
+        assert torch.equal(want, w), name
+    loaded = quantkit.load(tmp_path / "w4", dtype="float32")
+    layer = loaded.model.layers[0].mlp.down_proj
+    assert torch.equal(layer.dequantized_weight(), ours["model.layers.0.mlp.down_proj"])
+    x = torch.randn(3, 256) * 2  # activations: per-token FP8 (absmax / 448 per row), in plain PyTorch
+    s = x.abs().amax(dim=-1, keepdim=True) / 448.0
+    want = torch.nn.functional.linear((x / s).to(torch.float8_e4m3fn).float() * s, ours["model.layers.0.mlp.down_proj"])
+    torch.testing.assert_close(layer(x), want, rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_static_inputs_clamp_at_the_calibrated_range(tmp_path):
+    write(_tiny_llama(), preset("FP8"), tmp_path / "fp8", calibration=CALIBRATION)
+    layer = quantkit.load(tmp_path / "fp8", dtype="float32").model.layers[0].mlp.down_proj
+    s = layer.input_scale
+    x = torch.randn(2, 256) * 0.1
+    x[0, 0] = 1000 * float(s)  # past +448 * input_scale: saturates, as E4M3 "fn" has no infinity
+    q = ((x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(q, layer.dequantized_weight()), rtol=1e-6, atol=1e-6)
+
+
+def test_plan_gathers_calibration_for_static_activations_and_refuses_other_methods():
+    assert resolve_plan("rtn", scheme="FP8").calibration is not None  # the int path's calibration settings
+    assert resolve_plan("rtn", scheme="nvfp4", calibration={"num_samples": 8}).calibration.num_samples == 8
+    assert resolve_plan("rtn", scheme="W4AFP8").calibration is None  # dynamic activations: RTN reads no data
+    assert resolve_plan("gptq", scheme="W4AFP8", options={"damp_percent": 0.05}).float_preset.name == "W4AFP8"
+    for method in ("awq", "smoothquant"):
+        with pytest.raises(QuantkitError, match=f"--scheme NVFP4 is written by --method rtn or gptq .*drop --method {method}"):
+            resolve_plan(method, scheme="NVFP4")
+    with pytest.raises(QuantkitError, match="reads no calibration data, so --num-samples would be ignored"):
+        resolve_plan("rtn", scheme="W4AFP8", calibration={"num_samples": 8})
+
+
+def test_api_writes_fp8_with_rtn_from_its_own_calibration(tmp_path, tiny_llama_dir):
+    out = tmp_path / "fp8"
+    result = quantkit.quantize(str(tiny_llama_dir), "rtn", scheme="FP8", output=out, num_samples=4, seq_len=32,
+                               progress=False)
+    assert result.summary["layout"] == "float-quantized"
+    state = load_file(str(out / "model.safetensors"))
+    assert len([k for k in state if k.endswith(".input_scale")]) == 14
+    recipe = (out / "recipe.yaml").read_text()
+    assert "num_samples: 4" in recipe and "scheme: FP8" in recipe
+    with pytest.raises(QuantkitError, match="group_size 128 must divide in_features 64"):
+        quantkit.quantize(str(tiny_llama_dir), "rtn", scheme="W4AFP8", output=tmp_path / "w4", progress=False)
+    assert not (tmp_path / "w4").exists()
