@@ -1,12 +1,9 @@
-"""Quantization of a model's linears onto a float preset (round-to-nearest or GPTQ on its grid), written as a
-compressed-tensors checkpoint (`quantkit quantize --scheme NAME`, see docs/float-schemes.md).
+"""Round-to-nearest quantization of a model's linears onto a float preset, written as a compressed-tensors
+checkpoint (#47 foundation; not yet reachable from the CLI, see docs/float-schemes.md).
 
-Every preset with a float grid is written: weight-only (NVFP4A16, MXFP4A16), dynamic-activation (FP8_DYNAMIC,
-FP8_BLOCK, MXFP4), static-activation (FP8: a per-tensor input_scale; NVFP4: an input_global_scale) and W4AFP8
-(int4 group-128 weights by the integer RTN / GPTQ steps, packed pack-quantized, FP8 dynamic per-token inputs).
-The static input scales come from one forward pass over the calibration tokens with each quantized linear's
-input absmax recorded (`activation_absmax`, `float_codecs.input_scales`), on the model as given (before GPTQ
-changes its weights), so FP8 and NVFP4 need calibration data with either method.
+Only presets whose activations need no calibration are written: weight-only (NVFP4A16, MXFP4A16) and
+dynamic-activation ones (FP8_DYNAMIC, FP8_BLOCK, MXFP4).  FP8 (static per-tensor input scale) and NVFP4
+(calibrated input global scale) need activation statistics, which this path does not gather yet.
 """
 from __future__ import annotations
 
@@ -22,57 +19,54 @@ from typing import Iterable, Optional
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.float_codecs import fp8, mxfp4, nvfp4
+from quantkit.float_codecs import fp8, mxfp4, nvfp4, scale_search
 from quantkit.float_codecs.fused_global_scale import shared_global_scales
-from quantkit.formats import compressed_tensors, ct_float_quantized, ct_mxfp4, ct_nvfp4, ct_w4afp8
+from quantkit.formats import ct_float_quantized, ct_mxfp4, ct_nvfp4
 from quantkit.formats.ct_float_layouts import LAYOUTS, args_from_config
 from quantkit.formats.registry import float_layout_for, get
-from quantkit.qtensor import QuantizedWeight
 from quantkit.scheme_presets import QuantArgs, SchemePreset
 
 CT_VERSION = "0.20.1"  # the compressed-tensors release whose config schema this follows
-WRITABLE = ("FP8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "W4AFP8")
+WRITABLE = ("FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16", "MXFP4")
 DEFAULT_IGNORE = (r"(^|\.)lm_head$",)
 
 
 def layout_of(preset: SchemePreset) -> str:
     """The compressed-tensors format that stores this preset's weights."""
     if preset.name not in WRITABLE:
-        raise QuantkitError(f"--scheme {preset.name} is not written by quantkit.float_checkpoint (an integer "
-                            f"scheme goes through the integer path); choose one of {', '.join(WRITABLE)}")
-    if preset.weights.kind == "int":  # W4AFP8: integer weights pack-quantized, FP8 inputs
-        ok, reason = get("compressed-tensors").can_store(preset)
-        if not ok:
-            raise QuantkitError(f"--scheme {preset.name}: {reason}")
-        return compressed_tensors.FORMAT
+        raise QuantkitError(f"--scheme {preset.name} cannot be written by round-to-nearest yet (it needs "
+                            "calibrated activation scales or is an integer scheme); "
+                            f"choose one of {', '.join(WRITABLE)}")
     layout = float_layout_for(preset)
     if layout is None:
         raise QuantkitError(f"--scheme {preset.name}: {get('compressed-tensors').can_store(preset)[1]}")
     return layout
 
 
-def quantize_weight(weight: torch.Tensor, preset: SchemePreset,
-                    global_scale: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def quantize_weight(weight: torch.Tensor, preset: SchemePreset, global_scale: torch.Tensor | None = None,
+                    search: Optional[bool] = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """(tensors to store, the float32 weight they dequantize to) for one linear's weight; `global_scale`
-    (NVFP4 only) overrides the weight's own, for linears a runtime fuses (`shared_global_scales`)."""
+    (NVFP4 only) overrides the weight's own, for linears a runtime fuses (`shared_global_scales`); `search`:
+    the range search of the scales (`float_codecs.scale_search`; None: the format's default)."""
     layout = layout_of(preset)
     w = preset.weights
+    search = scale_search.enabled(w, search)
     if layout == ct_float_quantized.FORMAT:
-        q = fp8.quantize(weight, w.strategy, w.block_size)
+        q = fp8.quantize(weight, w.strategy, w.block_size, search=search)
         return ct_float_quantized.pack(q), q.dequantize()
     if layout == ct_nvfp4.FORMAT:
-        q = nvfp4.quantize(weight, gscale=global_scale)
+        q = nvfp4.quantize(weight, gscale=global_scale, search=search)
         return ct_nvfp4.pack(q), q.dequantize()
-    q = mxfp4.quantize(weight)
+    q = mxfp4.quantize(weight, search=search)
     return ct_mxfp4.pack(q), q.dequantize()
 
 
-def _args_config(a: QuantArgs, observer: Optional[str] = None) -> dict:
+def _args_config(a: QuantArgs) -> dict:
     """QuantArgs in compressed-tensors' QuantizationArgs schema (config.json)."""
     return {
         "num_bits": a.bits, "type": a.kind, "symmetric": a.symmetric, "group_size": a.group_size,
         "strategy": a.strategy, "block_structure": list(a.block_size) if a.block_size else None,
-        "dynamic": a.dynamic, "actorder": None, "observer": observer,
+        "dynamic": a.dynamic, "actorder": None, "observer": None,
         "scale_dtype": f"torch.{a.scale_dtype}" if a.scale_dtype else None,
         "zp_dtype": f"torch.{a.scale_dtype}" if a.scale_dtype else None,
     }
@@ -81,11 +75,8 @@ def _args_config(a: QuantArgs, observer: Optional[str] = None) -> dict:
 def quantization_config(preset: SchemePreset, ignore: Iterable[str]) -> dict:
     """config.json "quantization_config": one group targeting every Linear, `ignore` exact module names."""
     layout = layout_of(preset)
-    acts = preset.input_activations
-    # static (calibrated) activations name compressed-tensors' preset observer: a running min/max over all batches
     group = {"targets": ["Linear"], "weights": _args_config(preset.weights),
-             "input_activations": _args_config(acts, "static_minmax" if preset.calibrates_activations else None)
-             if acts else None,
+             "input_activations": _args_config(preset.input_activations) if preset.input_activations else None,
              "output_activations": None, "format": layout}
     return {"quant_method": "compressed-tensors", "format": layout, "quantization_status": "compressed",
             "version": CT_VERSION, "config_groups": {"group_0": group}, "ignore": sorted(ignore),
@@ -133,7 +124,8 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     read); routers and shared-expert gates stay in full precision, declared in the config's ignore list.
     `method` "rtn" rounds each weight to nearest; "gptq" runs GPTQ on the preset's grid
     (`quantizers.gptq_float`) through quantkit's layer-by-layer pipeline, calibrated on `calibration` (token
-    ids [samples, seq_len]) with `options` (damp_percent, block_size, desc_act, true_sequential); it leaves
+    ids [samples, seq_len]) with `options` (damp_percent, block_size, desc_act, true_sequential; and mse, the
+    scales' range search, for both methods: `float_codecs.scale_search`, None its format's default); it leaves
     `model`'s linears fake-quantized, as the pipeline does.
     Returns {module name: dequantized float32 weight}, what a reader should reconstruct."""
     out = Path(output)
@@ -142,29 +134,16 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     layout_of(preset)
     if method not in METHODS:
         raise QuantkitError(f"--scheme {preset.name} is written with --method {' or '.join(METHODS)}, not {method!r}")
-    integer = preset.weights.kind == "int"  # W4AFP8: the integer steps, with their own options
-    if method == "rtn" and calibration is not None and not preset.calibrates_activations:
-        raise QuantkitError(f"round-to-nearest onto --scheme {preset.name} reads no calibration data; drop it or use "
+    if method == "rtn" and (calibration is not None or set(options or {}) - {"mse"}):
+        raise QuantkitError("round-to-nearest reads no calibration data and no option but mse; drop them or use "
                             "--method gptq")
-    if method == "rtn" and not integer and options:
-        raise QuantkitError("round-to-nearest onto a float grid takes no options; drop them or use --method gptq")
-    if preset.calibrates_activations and calibration is None:
-        raise QuantkitError(f"--scheme {preset.name} stores input scales measured on calibration data; it needs "
-                            "calibration token ids with --method rtn as with gptq")
-    # measured before GPTQ fake-quantizes the model's weights: the inputs of the model as given
-    input_scales = _input_scales(model, preset, tuple(ignore), calibration, batch_size) \
-        if preset.calibrates_activations else {}
-    if integer:
-        results = _integer_results(model, preset, tuple(ignore), method, calibration, options or {}, batch_size,
-                                   progress)
-    else:
-        results = _gptq_results(model, preset, tuple(ignore), calibration, options or {}, batch_size, progress) \
-            if method == "gptq" else None
+    results = _gptq_results(model, preset, tuple(ignore), calibration, options or {}, batch_size, progress) \
+        if method == "gptq" else None
     with _experts_as_linears(model) as adapter:
         rename = adapter.checkpoint_name if adapter is not None else (lambda n: n)
         full_precision = set(adapter.full_precision_modules(model)) if adapter is not None else set()
         state, dequantized, skipped = _quantized_state(model, preset, tuple(ignore), full_precision, results,
-                                                       input_scales=input_scales)
+                                                       (options or {}).get("mse"))
     state = {rename(k): v for k, v in state.items()}
     if not dequantized:
         raise QuantkitError("no linear layers left to quantize after the ignore list; loosen --ignore")
@@ -172,58 +151,6 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     config["quantization_config"] = quantization_config(preset, sorted({rename(n) for n in skipped | full_precision}))
     _save(out, state, config)
     return dequantized
-
-
-def _quantized_names(model: torch.nn.Module, patterns: tuple[str, ...], full_precision: set[str]) -> list[str]:
-    """The nn.Linear modules this writer quantizes: all but the full-precision ones and those `ignore` matches."""
-    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-            and n not in full_precision and not any(re.search(p, n) for p in patterns)]
-
-
-def _input_scales(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
-                  calibration: torch.Tensor, batch_size: int) -> dict[str, tuple[str, torch.Tensor]]:
-    """{linear name (experts per linear): (tensor suffix, value)} of the preset's static input scales, from
-    each quantized linear's input absmax over `calibration` (NVFP4: fused siblings share their maximum)."""
-    from quantkit.activation_absmax import input_absmax
-    from quantkit.float_codecs.fused_global_scale import shared_absmax
-    from quantkit.float_codecs.input_scales import NVFP4_INPUT_GLOBAL_SCALE, input_scale_for, tensor_name
-
-    acts = preset.input_activations
-    with _experts_as_linears(model) as adapter:
-        full_precision = set(adapter.full_precision_modules(model)) if adapter is not None else set()
-        absmax = input_absmax(model, _quantized_names(model, patterns, full_precision), calibration, batch_size)
-        if tensor_name(acts) == NVFP4_INPUT_GLOBAL_SCALE:
-            absmax = shared_absmax(model, absmax)
-    return {name: input_scale_for(acts, a) for name, a in absmax.items()}
-
-
-def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...], method: str,
-                     calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool) -> dict:
-    """{linear name: QuantizedWeight} of the integer RTN or GPTQ step (with `options`, as on the integer path)
-    on the preset's integer weight grid (W4AFP8: 4-bit symmetric groups of 128), through quantkit's pipeline."""
-    from quantkit.models import get_adapter
-    from quantkit.pipeline import quantize_model
-    from quantkit.quantizers.recipe import build_recipe
-    from quantkit.scheme import LinearScheme
-
-    recipe = build_recipe(method, options)
-    if recipe.needs_calibration and calibration is None:
-        raise QuantkitError(f"--scheme {preset.name} with --method {method} needs calibration data (token ids)")
-    adapter = get_adapter(model)
-    full_precision = set(adapter.full_precision_modules(model))
-    names = [n for n in adapter.linear_shapes(model)
-             if n not in full_precision and not any(re.search(p, n) for p in patterns)]
-    w = preset.weights
-    shapes = adapter.linear_shapes(model)
-    for name in names:  # before any calibration: a group that does not divide a linear's inputs is refused here
-        try:
-            ct_w4afp8.packed_shapes(shapes[name], w)
-        except QuantkitError as exc:
-            raise QuantkitError(f"--scheme {preset.name}: {name}: {exc}; leave it in full precision with --ignore") \
-                from None
-    scheme = LinearScheme(bits=w.bits, group_size=w.group_size if w.strategy == "group" else -1, sym=w.symmetric)
-    return quantize_model(model, adapter, recipe, dict.fromkeys(names, scheme),
-                          calibration if recipe.needs_calibration else None, batch_size=batch_size, progress=progress)
 
 
 def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
@@ -246,13 +173,11 @@ def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[
 
 
 def _quantized_state(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
-                     full_precision: set[str], results: Optional[dict] = None,
-                     input_scales: Optional[dict] = None
+                     full_precision: set[str], results: Optional[dict] = None, search: Optional[bool] = None
                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
-    """(the state dict with every quantized linear's weight replaced by its layout's tensors and its static
-    input scale from `input_scales` added, {module: dequantized weight}, the linears left in full precision).
-    With `results` (GPTQ's, or the integer steps'), each linear's weight object comes from there instead of
-    round-to-nearest."""
+    """(the state dict with every quantized linear's weight replaced by its layout's tensors,
+    {module: dequantized weight}, the linears left in full precision). With `results` (GPTQ's), each
+    linear's weight object comes from there instead of round-to-nearest."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     skipped = {n for n in linears if n in full_precision or any(re.search(p, n) for p in patterns)}
@@ -263,15 +188,12 @@ def _quantized_state(model: torch.nn.Module, preset: SchemePreset, patterns: tup
         if name in skipped:
             continue
         if results is None:
-            tensors, dequantized[name] = quantize_weight(module.weight.detach(), preset, shared.get(name))
+            tensors, dequantized[name] = quantize_weight(module.weight.detach(), preset, shared.get(name), search)
         else:
             if name not in results:
                 raise QuantkitError(f"GPTQ left {name} unquantized; this is a bug")
-            q = results[name] if isinstance(results[name], QuantizedWeight) else results[name].weight
+            q = results[name].weight
             tensors, dequantized[name] = LAYOUTS[layout_of(preset)].pack(q), q.dequantize()
-        if input_scales:
-            suffix, scale = input_scales[name]
-            tensors = {**tensors, suffix: scale}
         del state[f"{name}.weight"]
         state.update({f"{name}.{suffix}": t for suffix, t in tensors.items()})
     # tied parameters and per-expert views share storage; safetensors refuses that, so store independent copies
@@ -302,7 +224,7 @@ def _save(out: Path, state: dict[str, torch.Tensor], config: dict) -> None:
 
 def read_dequantized(folder: os.PathLike) -> dict[str, torch.Tensor]:
     """{module name: float32 weight} of a single-group compressed-tensors float checkpoint in `folder`
-    (float-quantized, nvfp4-pack-quantized or mxfp4-pack-quantized, or W4AFP8's pack-quantized), reading only that folder's
+    (float-quantized, nvfp4-pack-quantized or mxfp4-pack-quantized), reading only that folder's
     *.safetensors files (no pickle)."""
     from safetensors.torch import load_file
 
@@ -338,10 +260,6 @@ def read_dequantized(folder: os.PathLike) -> dict[str, torch.Tensor]:
             if "weight" not in own:
                 raise QuantkitError(f"{name} has a weight_scale but no weight; the checkpoint is incomplete")
             q = layout.unpack(own, tuple(own["weight"].shape), weights.strategy, weights.block_size)
-        elif layout is ct_w4afp8:
-            if "weight_shape" not in own:
-                raise QuantkitError(f"{name} has a weight_packed but no weight_shape; the checkpoint is incomplete")
-            q = layout.read(own, tuple(int(v) for v in own["weight_shape"].tolist()), weights)
         else:
             packed = own["weight_packed"]
             q = layout.unpack(own, (packed.shape[0], packed.shape[1] * 2))

@@ -30,7 +30,8 @@ sys.path.insert(0, str(HERE))
 from bench_quantize import quantkit_cli, run, write_calibration_ids  # noqa: E402
 
 
-def quantize_with_quantkit(model_folder: str, preset_name: str, method: str, calib_ids: str, output: str) -> None:
+def quantize_with_quantkit(model_folder: str, preset_name: str, method: str, calib_ids: str, output: str,
+                           options: dict) -> None:
     """Child process: one quantkit checkpoint; prints a JSON line."""
     import torch
     from safetensors.torch import load_file
@@ -42,7 +43,8 @@ def quantize_with_quantkit(model_folder: str, preset_name: str, method: str, cal
     model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
     ids = load_file(calib_ids)["input_ids"]
     t0 = time.perf_counter()
-    write(model, preset(preset_name), output, method=method, calibration=ids if method == "gptq" else None)
+    write(model, preset(preset_name), output, method=method, calibration=ids if method == "gptq" else None,
+          options=options or None)
     seconds = time.perf_counter() - t0
     AutoTokenizer.from_pretrained(model_folder).save_pretrained(output)
     print(json.dumps({"seconds": round(seconds, 2)}))
@@ -56,13 +58,16 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--lee-windows", type=int, default=None, help="held-out windows of 512 (default: all of lee's)")
     ap.add_argument("--wiki-windows", type=int, default=32)
-    ap.add_argument("--rows", default="llmc rtn,quantkit rtn,llmc gptq,quantkit gptq", help="comma list of rows")
+    ap.add_argument("--rows", default="llmc rtn,quantkit rtn,llmc gptq,quantkit gptq",
+                    help='comma list of rows; a quantkit row may add options, "quantkit rtn mse=false"')
     ap.add_argument("--llmcompressor-python", default=None)
+    ap.add_argument("--quantkit-options", default="{}",
+                    help='JSON options for quantkit\'s rows, e.g. \'{"mse": false}\' (scales without the range search)')
     ap.add_argument("--workdir", default="/tmp/qk-float")
     ap.add_argument("--run-quantkit", nargs=4, metavar=("PRESET", "METHOD", "CALIB_IDS", "OUTPUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run_quantkit:
-        quantize_with_quantkit(args.model, *args.run_quantkit)
+        quantize_with_quantkit(args.model, *args.run_quantkit, json.loads(args.quantkit_options))
         return
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -71,10 +76,13 @@ def main() -> None:
     rows = []
     t_all = time.perf_counter()
     for name in [p.strip().upper() for p in args.presets.split(",")]:
-        for tool, method in (r.strip().split() for r in args.rows.split(",")):
-            out = work / f"{tool}-{method}-{name}"
+        for tool, method, *extra in (r.strip().split() for r in args.rows.split(",")):
+            # a quantkit row may name options of its own after the method: "quantkit rtn mse=false"
+            options = {**json.loads(args.quantkit_options), **{k: json.loads(v) for k, v in (e.split("=", 1) for e in extra)}}
+            out = work / "-".join([tool, method, *extra, name])
             if tool == "quantkit":
-                cmd = [sys.executable, __file__, "--model", folder, "--run-quantkit", name, method, str(calib_ids), str(out)]
+                cmd = [sys.executable, __file__, "--model", folder, "--quantkit-options", json.dumps(options),
+                       "--run-quantkit", name, method, str(calib_ids), str(out)]
             elif args.llmcompressor_python:
                 cmd = [args.llmcompressor_python, str(HERE / "llmcompressor_peer.py"), "--method", method, "--scheme", name,
                        "--model", folder, "--calib-ids", str(calib_ids), "--output", str(out)]
@@ -84,7 +92,9 @@ def main() -> None:
             if out.exists():
                 sys.exit(f"{out} exists; use a fresh --workdir")
             result, wall = run(cmd)
-            row = {"preset": name, "row": f"{tool} {method}", "path": str(out), "seconds": result["seconds"]}
+            row = {"preset": name, "row": " ".join([tool, method, *extra]), "path": str(out), "seconds": result["seconds"]}
+            if tool == "quantkit":
+                row["options"] = options
             for dataset, windows in (("lee", args.lee_windows), ("wiki", args.wiki_windows)):
                 r, _ = run(quantkit_cli("eval", "--model", str(out), "--baseline", folder, "--dataset", dataset,
                                         "--backend", "reference", "--json",
@@ -95,10 +105,10 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     print(f"calibration: {args.num_samples} x {args.seq_len} Lee tokens, seed 0, identical ids for both tools; "
           f"{time.perf_counter() - t_all:.0f} s in all")
-    print(f"{'preset':10} {'row':14} {'KL lee':>8} {'KL wiki':>8} {'KL mean':>8} {'top1 lee':>8} {'ppl wiki':>8} {'s':>7}")
+    print(f"{'preset':10} {'row':24} {'KL lee':>8} {'KL wiki':>8} {'KL mean':>8} {'top1 lee':>8} {'ppl wiki':>8} {'s':>7}")
     for r in rows:
         mean = (r["lee"]["kl_mean"] + r["wiki"]["kl_mean"]) / 2
-        print(f"{r['preset']:10} {r['row']:14} {r['lee']['kl_mean']:8.4f} {r['wiki']['kl_mean']:8.4f} {mean:8.4f} "
+        print(f"{r['preset']:10} {r['row']:24} {r['lee']['kl_mean']:8.4f} {r['wiki']['kl_mean']:8.4f} {mean:8.4f} "
               f"{r['lee']['top1_agreement']:8.3f} {r['wiki']['perplexity']:8.2f} {r['seconds']:7.1f}")
     by = {(r["preset"], r["row"]): r for r in rows}
     for name in {r["preset"] for r in rows}:
@@ -107,7 +117,9 @@ def main() -> None:
             if a and b:
                 ka = (a["lee"]["kl_mean"] + a["wiki"]["kl_mean"]) / 2
                 kb = (b["lee"]["kl_mean"] + b["wiki"]["kl_mean"]) / 2
-                print(f"{name} {method}: quantkit / llm-compressor mean KL {ka / kb:.3f}, time {a['seconds'] / b['seconds']:.2f}")
+                lee, wiki = (a[d]["kl_mean"] / b[d]["kl_mean"] for d in ("lee", "wiki"))
+                print(f"{name} {method}: quantkit / llm-compressor KL lee {lee:.3f}, wiki {wiki:.3f}, mean {ka / kb:.3f}; "
+                      f"time {a['seconds'] / b['seconds']:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """A weight's float grid with its scales fixed in advance, for algorithms that choose the codes themselves (GPTQ).
 
 The scales are the format's own, computed from the original weight exactly as round-to-nearest computes them
-(`fp8`, `nvfp4` with its global scale, `mxfp4` with its E8M0 exponents), before any code is chosen, as GPTQ's
+(`fp8`, `nvfp4` with its global scale, `mxfp4` with its E8M0 exponents; with its range search where on,
+`scale_search`), before any code is chosen, as GPTQ's
 static groups do. `round_column` rounds a column onto the grid under those scales (the nearest E4M3 or E2M1
 value of w / scale, times scale), and `encode` turns a weight whose every element is on the grid into the
 layout's weight object (`Fp8Weight`, `Nvfp4Weight`, `Mxfp4Weight`), checked to dequantize back to it exactly.
@@ -14,7 +15,7 @@ from typing import Optional, Union
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.float_codecs import e2m1, e4m3, e8m0, fp8, mxfp4, nvfp4
+from quantkit.float_codecs import e2m1, e4m3, e8m0, fp8, mxfp4, nvfp4, scale_search
 from quantkit.scheme_presets import QuantArgs
 
 FloatWeight = Union[fp8.Fp8Weight, nvfp4.Nvfp4Weight, mxfp4.Mxfp4Weight]
@@ -50,18 +51,22 @@ class FixedFloatGrid:
         return out
 
 
-def fixed_grid(weight: torch.Tensor, weights: QuantArgs, global_scale: Optional[torch.Tensor] = None) -> FixedFloatGrid:
+def fixed_grid(weight: torch.Tensor, weights: QuantArgs, global_scale: Optional[torch.Tensor] = None,
+               search: Optional[bool] = None) -> FixedFloatGrid:
     """The format's scales for `weight` [N, K] under the weights args (FP8 tensor/channel/block, NVFP4 under
-    `global_scale` when given, MXFP4)."""
+    `global_scale` when given, MXFP4), with round-to-nearest's range search (`scale_search`) when `search`
+    says so (None: the format's default)."""
     w = weight.detach().to(torch.float32)
+    if weights.kind == "float" and weights.bits in (4, 8):
+        search = scale_search.enabled(weights, search)
     if (weights.kind, weights.bits) == ("float", 8):
-        q = fp8.quantize(w, weights.strategy, weights.block_size)
+        q = fp8.quantize(w, weights.strategy, weights.block_size, search=search)
         step = q.element_scale()
     elif weights.strategy == "tensor_group":
-        q = nvfp4.quantize(w, gscale=global_scale)
+        q = nvfp4.quantize(w, gscale=global_scale, search=search)
         step = (q.group_scale.to(torch.float32) / q.global_scale).repeat_interleave(nvfp4.GROUP_SIZE, dim=1)
     elif (weights.kind, weights.bits, weights.strategy) == ("float", 4, "group"):
-        q = mxfp4.quantize(w)
+        q = mxfp4.quantize(w, search=search)
         step = e8m0.decode(q.scale_codes).repeat_interleave(mxfp4.GROUP_SIZE, dim=1)
     else:
         raise QuantkitError(f"no fixed float grid for {weights.kind} {weights.bits}-bit {weights.strategy} weights")

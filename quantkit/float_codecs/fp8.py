@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.float_codecs import e4m3
+from quantkit.float_codecs import e4m3, scale_search
 
 STRATEGIES = ("tensor", "channel", "block")
 
@@ -55,18 +55,37 @@ def _nonzero(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
 
 
-def quantize(weight: torch.Tensor, strategy: str, block_size: Optional[tuple[int, int]] = None) -> Fp8Weight:
-    """Round-to-nearest FP8 of a 2-D weight [N, K] under the given scale strategy."""
+def _searched(x: torch.Tensor, amax: torch.Tensor, region_dims: tuple[int, ...]) -> torch.Tensor:
+    """The scale (shaped like `amax`, which broadcasts over x with the region's dims of size 1) among
+    absmax / 448 times each clip ratio with the lowest squared E4M3 rounding error over its region."""
+    ratios = torch.tensor(scale_search.FP8_CLIP_RATIOS, dtype=torch.float32, device=x.device)
+    candidates = _scale_of(amax.unsqueeze(0) * ratios.view(-1, *([1] * amax.ndim)))  # [T, *amax.shape]
+    candidates[0] = _scale_of(amax)  # candidate 0 is the absmax scale, computed exactly as without the search
+
+    def nearest(y: torch.Tensor) -> torch.Tensor:
+        return e4m3.to_e4m3(y).to(torch.float32)
+
+    best = scale_search.lowest_error(x, candidates, nearest, reduce_dims=region_dims)
+    return scale_search.take(candidates, best)
+
+
+def quantize(weight: torch.Tensor, strategy: str, block_size: Optional[tuple[int, int]] = None,
+             search: bool = False) -> Fp8Weight:
+    """Round-to-nearest FP8 of a 2-D weight [N, K] under the given scale strategy. With `search`, each scale is
+    absmax / 448 times the clip ratio (`scale_search.FP8_CLIP_RATIOS`) that rounds its region with the lowest
+    squared error."""
     if strategy not in STRATEGIES:
         raise QuantkitError(f"FP8 weights take strategy tensor, channel or block, not {strategy!r}")
     if weight.ndim != 2:
         raise QuantkitError(f"FP8 quantization takes a 2-D weight, got shape {tuple(weight.shape)}")
     w = weight.to(torch.float32)
     if strategy == "tensor":
-        scale = _scale_of(w.abs().amax().reshape(1))
+        scale = _searched(w, w.abs().amax().reshape(1, 1), (0, 1)).reshape(1) if search \
+            else _scale_of(w.abs().amax().reshape(1))
         expanded = scale
     elif strategy == "channel":
-        scale = _scale_of(w.abs().amax(dim=1, keepdim=True))
+        amax = w.abs().amax(dim=1, keepdim=True)
+        scale = _searched(w, amax, (1,)) if search else _scale_of(amax)
         expanded = scale
     else:
         if block_size is None:
@@ -75,7 +94,9 @@ def quantize(weight: torch.Tensor, strategy: str, block_size: Optional[tuple[int
         n, k = w.shape
         nb, kb = math.ceil(n / rows), math.ceil(k / cols)
         padded = torch.nn.functional.pad(w, (0, kb * cols - k, 0, nb * rows - n))
-        block_amax = padded.reshape(nb, rows, kb, cols).abs().amax(dim=(1, 3))
-        scale = _scale_of(block_amax)
+        blocks = padded.reshape(nb, rows, kb, cols)
+        block_amax = blocks.abs().amax(dim=(1, 3))
+        scale = _searched(blocks, block_amax.view(nb, 1, kb, 1), (1, 3)).view(nb, kb) if search \
+            else _scale_of(block_amax)
         expanded = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:n, :k]
     return Fp8Weight(e4m3.to_e4m3(w / expanded), scale, strategy, tuple(block_size) if block_size else None)

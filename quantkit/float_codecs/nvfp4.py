@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.float_codecs import e2m1, e4m3
+from quantkit.float_codecs import e2m1, e4m3, scale_search
 
 GROUP_SIZE = 16
 
@@ -44,9 +44,11 @@ def check_grouped_shape(weight: torch.Tensor, group_size: int, name: str) -> Non
                             f"got shape {tuple(weight.shape)}; leave this layer unquantized (--ignore)")
 
 
-def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None) -> Nvfp4Weight:
+def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None, search: bool = False) -> Nvfp4Weight:
     """Round-to-nearest NVFP4 of a 2-D weight [N, K] (K a multiple of 16), under `gscale` when given (an
-    activation's calibrated input_global_scale), else the weight's own `global_scale`."""
+    activation's calibrated input_global_scale), else the weight's own `global_scale`. With `search`, each
+    group's E4M3 scale is the one among its absmax scale and that scale's E4M3 neighbours that rounds the group
+    with the lowest squared error (`scale_search`)."""
     check_grouped_shape(weight, GROUP_SIZE, "NVFP4")
     w = weight.to(torch.float32)
     n, k = w.shape
@@ -55,6 +57,22 @@ def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None) -> Nvfp4W
     # a tensor divisor on the weight's device: CUDA turns division by a Python number into a reciprocal multiply
     local = gscale * (groups.abs().amax(dim=-1) / torch.tensor(e2m1.MAX, device=w.device))
     scale = e4m3.to_e4m3(local).to(torch.float32)
+    if search:
+        scale = _searched_group_scales(groups, scale, gscale)
     scale = torch.where(scale == 0, torch.tensor(0.125, device=w.device), scale)
     codes = e2m1.encode(groups / (scale / gscale).unsqueeze(-1))
     return Nvfp4Weight(codes.reshape(n, k), scale.to(e4m3.DTYPE), gscale)
+
+
+def _searched_group_scales(groups: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
+    """Each group's E4M3 scale (float32 [N, G]) chosen among `scale` (the absmax one) and its E4M3 neighbours
+    (code offsets `scale_search.NVFP4_CODE_OFFSETS`, kept within 2**-9 .. 448): the lowest squared error of
+    the group rounded under it."""
+    code = scale.to(e4m3.DTYPE).view(torch.uint8).to(torch.int16)  # scales are >= 0: the code orders them
+    offsets = torch.tensor(scale_search.NVFP4_CODE_OFFSETS, dtype=torch.int16, device=code.device)
+    codes = (code.unsqueeze(0) + offsets.view(-1, 1, 1)).clamp(1, 0x7E)
+    codes[0] = code  # candidate 0 is the absmax scale itself, zero included
+    candidates = codes.to(torch.uint8).view(e4m3.DTYPE).to(torch.float32).unsqueeze(-1)  # [T, N, G, 1]
+    steps = torch.where(candidates == 0, torch.ones_like(candidates), candidates) / gscale
+    best = scale_search.lowest_error(groups, steps, e2m1.nearest_value, reduce_dims=(-1,))
+    return scale_search.take(candidates, best).squeeze(-1)

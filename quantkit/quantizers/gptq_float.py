@@ -5,7 +5,8 @@ diagonal): each column is rounded, its error spread over the columns not yet rou
 Hessian's Cholesky factor. What differs from the integer solver (`gptq_core`) is the grid: a column is rounded
 to the nearest E4M3 / E2M1 value of w / scale, and the scales are the format's own, fixed from the original
 weight before the solve (`float_codecs.fixed_grid`: FP8 absmax / 448 per channel or block; NVFP4's E4M3 group
-scales under the global scale, shared by fused siblings; MXFP4's E8M0 exponents), as static groups fix
+scales under the global scale, shared by fused siblings; MXFP4's E8M0 exponents; each with round-to-nearest's
+range search where on, option `mse`), as static groups fix
 integer scales. So the file holds exactly the format compressed-tensors defines, and only the codes move.
 
 `FloatGPTQ` is the step quantkit's layer-by-layer pipeline runs (`pipeline.quantize_model`: the same
@@ -121,7 +122,9 @@ class FloatGPTQ(Quantizer):
 
     name = "gptq"
     calibration_stream = "quantized"
-    options_spec = {"damp_percent": 0.01, "block_size": 128, "desc_act": True, "true_sequential": True}
+    # mse: round-to-nearest's range search picks the fixed scales (`float_codecs.scale_search`); None: the
+    # format's default there
+    options_spec = {"damp_percent": 0.01, "block_size": 128, "desc_act": True, "true_sequential": True, "mse": None}
 
     def __init__(self, weights: QuantArgs, **options):
         super().__init__(**options)
@@ -129,6 +132,8 @@ class FloatGPTQ(Quantizer):
             raise QuantkitError(f"damp_percent must be in (0, 1), got {self.options['damp_percent']}")
         if int(self.options["block_size"]) < 1:
             raise QuantkitError(f"block_size must be positive, got {self.options['block_size']}")
+        if self.options["mse"] is not None and not isinstance(self.options["mse"], bool):
+            raise QuantkitError(f"option mse={self.options['mse']!r} must be true or false")
         self.weights = weights
         self._hessians: dict[str, HessianAccumulator] = {}
         self._last_input, self._last_acc = None, None
@@ -165,7 +170,7 @@ class FloatGPTQ(Quantizer):
         self._last_input, self._last_acc = x, acc
 
     def _grid(self, name: str, weight: torch.Tensor) -> FixedFloatGrid:
-        return fixed_grid(weight, self.weights, self._global_scales.get(name))
+        return fixed_grid(weight, self.weights, self._global_scales.get(name), search=self.options["mse"])
 
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme) -> FloatResult:
         if name in self._stacked:

@@ -1,0 +1,67 @@
+"""The range search of round-to-nearest on the float grids (#47 item 3): per scale region, a few candidate
+scales, the one with the lowest squared rounding error kept.
+
+The plain rule (absmax over the region's largest grid value) wastes precision on outliers: a group whose
+largest weight is 3x its second rounds every other weight on a coarse step.  As quantkit's integer range
+search does (`quantizers.grid.find_qparams`), trying a slightly smaller scale and keeping whichever rounds the
+region best lowers the weight error, without data.  The candidates are the format's own scale values, so the
+file still holds exactly what the format defines:
+  NVFP4  the group's E4M3 scale and its E4M3 neighbours (codes +1, -1, -2, -3: about x1.1 down to x0.7)
+  MXFP4  the group's E8M0 exponent e and e - 1 (half the step: the largest weights saturate at 6)
+  FP8    the channel's / block's / tensor's absmax / 448 times clip ratios `FP8_CLIP_RATIOS`
+The absmax scale is always candidate 0 and ties keep it, so the search never raises the error.
+
+Whether each format uses it by default (`DEFAULT_ON`) follows the KL measured side by side on lee and wiki
+(docs/float-schemes.md, scripts/bench_float_schemes.py): on only where it lowered KL on both.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.scheme_presets import QuantArgs
+
+NVFP4_CODE_OFFSETS = (0, 1, -1, -2, -3)
+MXFP4_EXPONENT_OFFSETS = (0, -1)
+FP8_CLIP_RATIOS = (1.0, 0.975, 0.95, 0.925, 0.9, 0.85, 0.8)
+
+# format -> search on by default (the measurement in docs/float-schemes.md decides each)
+DEFAULT_ON = {"nvfp4": True, "mxfp4": True, "fp8": False}
+
+
+def family(weights: QuantArgs) -> str:
+    """"fp8", "nvfp4" or "mxfp4": the float format of these weights args."""
+    if weights.kind != "float" or weights.bits not in (4, 8):
+        raise QuantkitError(f"no float range search for {weights.kind} {weights.bits}-bit weights")
+    if weights.bits == 8:
+        return "fp8"
+    return "nvfp4" if weights.strategy == "tensor_group" else "mxfp4"
+
+
+def enabled(weights: QuantArgs, search: Optional[bool]) -> bool:
+    """Whether to search: `search` when the caller chose (an `mse` option), else the format's default."""
+    if search is None:
+        return DEFAULT_ON[family(weights)]
+    if not isinstance(search, bool):
+        raise QuantkitError(f"option mse={search!r} must be true or false (default: the format's, {DEFAULT_ON})")
+    return search
+
+
+def lowest_error(x: torch.Tensor, steps: torch.Tensor, round_to_grid: Callable[[torch.Tensor], torch.Tensor],
+                 reduce_dims: tuple[int, ...]) -> torch.Tensor:
+    """Index (into the first axis of `steps`) of the candidate step with the lowest sum of squared rounding
+    error of `x`, per region. `steps` [T, *shape broadcastable to x]; `round_to_grid(y)` the nearest grid
+    value of y (E2M1 or E4M3, saturating); `reduce_dims` the dims of x one region spans. The first minimum
+    wins, so candidate 0 (the absmax scale) is kept on a tie. The reduced dims are kept (size 1)."""
+    errors = []
+    for step in steps:
+        d = round_to_grid(x / step) * step - x
+        errors.append(d.square().sum(dim=reduce_dims, keepdim=True))
+    return torch.stack(errors).argmin(dim=0)
+
+
+def take(candidates: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """candidates [T, *shape] at `index` [*shape] (from `lowest_error`, which keeps the reduced dims)."""
+    return candidates.gather(0, index.unsqueeze(0)).squeeze(0)
