@@ -38,6 +38,9 @@ QUANTKIT_ROWS = {
     "best": ["--recipe", "best-w4"],
     # best-w4 then sign-gradient rounding of each layer (configs/best-w4-signround.yaml)
     "best signround": ["--recipe", "best-w4-signround"],
+    # the same on auto-round's full-range symmetric grid (signed absmax/8: quantizers.grid.SYM_RANGES)
+    "gptq full": ["--method", "gptq", "--option", "sym_range=full"],
+    "best full": ["--recipe", "best-w4", "--option", "sym_range=full"],
 }
 ASYM_QUANTKIT_ROWS = {"gptq asym": ["--method", "gptq", "--asym"], "awq asym": ["--method", "awq", "--asym",
                                                                                 "--format", "gptq"]}
