@@ -1,9 +1,12 @@
-"""Round-to-nearest quantization of a model's linears onto a float preset, written as a compressed-tensors
-checkpoint (#47 foundation; not yet reachable from the CLI, see docs/float-schemes.md).
+"""Quantization of a model's linears onto a float preset (round-to-nearest or GPTQ on its grid), written as a
+compressed-tensors checkpoint (`quantkit quantize --scheme NAME`, see docs/float-schemes.md).
 
-Only presets whose activations need no calibration are written: weight-only (NVFP4A16, MXFP4A16) and
-dynamic-activation ones (FP8_DYNAMIC, FP8_BLOCK, MXFP4).  FP8 (static per-tensor input scale) and NVFP4
-(calibrated input global scale) need activation statistics, which this path does not gather yet.
+Every preset with a float grid is written: weight-only (NVFP4A16, MXFP4A16), dynamic-activation (FP8_DYNAMIC,
+FP8_BLOCK, MXFP4), static-activation (FP8: a per-tensor input_scale; NVFP4: an input_global_scale) and W4AFP8
+(int4 group-128 weights by the integer RTN / GPTQ steps, packed pack-quantized, FP8 dynamic per-token inputs).
+The static input scales come from one forward pass over the calibration tokens with each quantized linear's
+input absmax recorded (`activation_absmax`, `float_codecs.input_scales`), on the model as given (before GPTQ
+changes its weights), so FP8 and NVFP4 need calibration data with either method.
 """
 from __future__ import annotations
 
@@ -21,22 +24,27 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.float_codecs import fp8, mxfp4, nvfp4, scale_search
 from quantkit.float_codecs.fused_global_scale import shared_global_scales
-from quantkit.formats import ct_float_quantized, ct_mxfp4, ct_nvfp4
+from quantkit.formats import compressed_tensors, ct_float_quantized, ct_mxfp4, ct_nvfp4, ct_w4afp8
 from quantkit.formats.ct_float_layouts import LAYOUTS, args_from_config
 from quantkit.formats.registry import float_layout_for, get
+from quantkit.qtensor import QuantizedWeight
 from quantkit.scheme_presets import QuantArgs, SchemePreset
 
 CT_VERSION = "0.20.1"  # the compressed-tensors release whose config schema this follows
-WRITABLE = ("FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16", "MXFP4")
+WRITABLE = ("FP8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "W4AFP8")
 DEFAULT_IGNORE = (r"(^|\.)lm_head$",)
 
 
 def layout_of(preset: SchemePreset) -> str:
     """The compressed-tensors format that stores this preset's weights."""
     if preset.name not in WRITABLE:
-        raise QuantkitError(f"--scheme {preset.name} cannot be written by round-to-nearest yet (it needs "
-                            "calibrated activation scales or is an integer scheme); "
-                            f"choose one of {', '.join(WRITABLE)}")
+        raise QuantkitError(f"--scheme {preset.name} is not written by quantkit.float_checkpoint (an integer "
+                            f"scheme goes through the integer path); choose one of {', '.join(WRITABLE)}")
+    if preset.weights.kind == "int":  # W4AFP8: integer weights pack-quantized, FP8 inputs
+        ok, reason = get("compressed-tensors").can_store(preset)
+        if not ok:
+            raise QuantkitError(f"--scheme {preset.name}: {reason}")
+        return compressed_tensors.FORMAT
     layout = float_layout_for(preset)
     if layout is None:
         raise QuantkitError(f"--scheme {preset.name}: {get('compressed-tensors').can_store(preset)[1]}")
@@ -61,12 +69,12 @@ def quantize_weight(weight: torch.Tensor, preset: SchemePreset, global_scale: to
     return ct_mxfp4.pack(q), q.dequantize()
 
 
-def _args_config(a: QuantArgs) -> dict:
+def _args_config(a: QuantArgs, observer: Optional[str] = None) -> dict:
     """QuantArgs in compressed-tensors' QuantizationArgs schema (config.json)."""
     return {
         "num_bits": a.bits, "type": a.kind, "symmetric": a.symmetric, "group_size": a.group_size,
         "strategy": a.strategy, "block_structure": list(a.block_size) if a.block_size else None,
-        "dynamic": a.dynamic, "actorder": None, "observer": None,
+        "dynamic": a.dynamic, "actorder": None, "observer": observer,
         "scale_dtype": f"torch.{a.scale_dtype}" if a.scale_dtype else None,
         "zp_dtype": f"torch.{a.scale_dtype}" if a.scale_dtype else None,
     }
@@ -75,8 +83,11 @@ def _args_config(a: QuantArgs) -> dict:
 def quantization_config(preset: SchemePreset, ignore: Iterable[str]) -> dict:
     """config.json "quantization_config": one group targeting every Linear, `ignore` exact module names."""
     layout = layout_of(preset)
+    acts = preset.input_activations
+    # static (calibrated) activations name compressed-tensors' preset observer: a running min/max over all batches
     group = {"targets": ["Linear"], "weights": _args_config(preset.weights),
-             "input_activations": _args_config(preset.input_activations) if preset.input_activations else None,
+             "input_activations": _args_config(acts, "static_minmax" if preset.calibrates_activations else None)
+             if acts else None,
              "output_activations": None, "format": layout}
     return {"quant_method": "compressed-tensors", "format": layout, "quantization_status": "compressed",
             "version": CT_VERSION, "config_groups": {"group_0": group}, "ignore": sorted(ignore),
@@ -134,16 +145,30 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     layout_of(preset)
     if method not in METHODS:
         raise QuantkitError(f"--scheme {preset.name} is written with --method {' or '.join(METHODS)}, not {method!r}")
-    if method == "rtn" and (calibration is not None or set(options or {}) - {"mse"}):
-        raise QuantkitError("round-to-nearest reads no calibration data and no option but mse; drop them or use "
+    integer = preset.weights.kind == "int"  # W4AFP8: the integer steps, with their own options
+    if method == "rtn" and calibration is not None and not preset.calibrates_activations:
+        raise QuantkitError(f"round-to-nearest onto --scheme {preset.name} reads no calibration data; drop it or use "
                             "--method gptq")
-    results = _gptq_results(model, preset, tuple(ignore), calibration, options or {}, batch_size, progress) \
-        if method == "gptq" else None
+    if method == "rtn" and not integer and set(options or {}) - {"mse"}:
+        raise QuantkitError("round-to-nearest onto a float grid takes no option but mse; drop them or use "
+                            "--method gptq")
+    if preset.calibrates_activations and calibration is None:
+        raise QuantkitError(f"--scheme {preset.name} stores input scales measured on calibration data; it needs "
+                            "calibration token ids with --method rtn as with gptq")
+    # measured before GPTQ fake-quantizes the model's weights: the inputs of the model as given
+    input_scales = _input_scales(model, preset, tuple(ignore), calibration, batch_size) \
+        if preset.calibrates_activations else {}
+    if integer:
+        results = _integer_results(model, preset, tuple(ignore), method, calibration, options or {}, batch_size,
+                                   progress)
+    else:
+        results = _gptq_results(model, preset, tuple(ignore), calibration, options or {}, batch_size, progress) \
+            if method == "gptq" else None
     with _experts_as_linears(model) as adapter:
         rename = adapter.checkpoint_name if adapter is not None else (lambda n: n)
         full_precision = set(adapter.full_precision_modules(model)) if adapter is not None else set()
         state, dequantized, skipped = _quantized_state(model, preset, tuple(ignore), full_precision, results,
-                                                       (options or {}).get("mse"))
+                                                       search=(options or {}).get("mse"), input_scales=input_scales)
     state = {rename(k): v for k, v in state.items()}
     if not dequantized:
         raise QuantkitError("no linear layers left to quantize after the ignore list; loosen --ignore")
@@ -151,6 +176,58 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     config["quantization_config"] = quantization_config(preset, sorted({rename(n) for n in skipped | full_precision}))
     _save(out, state, config)
     return dequantized
+
+
+def _quantized_names(model: torch.nn.Module, patterns: tuple[str, ...], full_precision: set[str]) -> list[str]:
+    """The nn.Linear modules this writer quantizes: all but the full-precision ones and those `ignore` matches."""
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+            and n not in full_precision and not any(re.search(p, n) for p in patterns)]
+
+
+def _input_scales(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
+                  calibration: torch.Tensor, batch_size: int) -> dict[str, tuple[str, torch.Tensor]]:
+    """{linear name (experts per linear): (tensor suffix, value)} of the preset's static input scales, from
+    each quantized linear's input absmax over `calibration` (NVFP4: fused siblings share their maximum)."""
+    from quantkit.activation_absmax import input_absmax
+    from quantkit.float_codecs.fused_global_scale import shared_absmax
+    from quantkit.float_codecs.input_scales import NVFP4_INPUT_GLOBAL_SCALE, input_scale_for, tensor_name
+
+    acts = preset.input_activations
+    with _experts_as_linears(model) as adapter:
+        full_precision = set(adapter.full_precision_modules(model)) if adapter is not None else set()
+        absmax = input_absmax(model, _quantized_names(model, patterns, full_precision), calibration, batch_size)
+        if tensor_name(acts) == NVFP4_INPUT_GLOBAL_SCALE:
+            absmax = shared_absmax(model, absmax)
+    return {name: input_scale_for(acts, a) for name, a in absmax.items()}
+
+
+def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...], method: str,
+                     calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool) -> dict:
+    """{linear name: QuantizedWeight} of the integer RTN or GPTQ step (with `options`, as on the integer path)
+    on the preset's integer weight grid (W4AFP8: 4-bit symmetric groups of 128), through quantkit's pipeline."""
+    from quantkit.models import get_adapter
+    from quantkit.pipeline import quantize_model
+    from quantkit.quantizers.recipe import build_recipe
+    from quantkit.scheme import LinearScheme
+
+    recipe = build_recipe(method, options)
+    if recipe.needs_calibration and calibration is None:
+        raise QuantkitError(f"--scheme {preset.name} with --method {method} needs calibration data (token ids)")
+    adapter = get_adapter(model)
+    full_precision = set(adapter.full_precision_modules(model))
+    names = [n for n in adapter.linear_shapes(model)
+             if n not in full_precision and not any(re.search(p, n) for p in patterns)]
+    w = preset.weights
+    shapes = adapter.linear_shapes(model)
+    for name in names:  # before any calibration: a group that does not divide a linear's inputs is refused here
+        try:
+            ct_w4afp8.packed_shapes(shapes[name], w)
+        except QuantkitError as exc:
+            raise QuantkitError(f"--scheme {preset.name}: {name}: {exc}; leave it in full precision with --ignore") \
+                from None
+    scheme = LinearScheme(bits=w.bits, group_size=w.group_size if w.strategy == "group" else -1, sym=w.symmetric)
+    return quantize_model(model, adapter, recipe, dict.fromkeys(names, scheme),
+                          calibration if recipe.needs_calibration else None, batch_size=batch_size, progress=progress)
 
 
 def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
@@ -173,11 +250,13 @@ def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[
 
 
 def _quantized_state(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
-                     full_precision: set[str], results: Optional[dict] = None, search: Optional[bool] = None
+                     full_precision: set[str], results: Optional[dict] = None, search: Optional[bool] = None,
+                     input_scales: Optional[dict] = None
                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
-    """(the state dict with every quantized linear's weight replaced by its layout's tensors,
-    {module: dequantized weight}, the linears left in full precision). With `results` (GPTQ's), each
-    linear's weight object comes from there instead of round-to-nearest."""
+    """(the state dict with every quantized linear's weight replaced by its layout's tensors and its static
+    input scale from `input_scales` added, {module: dequantized weight}, the linears left in full precision).
+    With `results` (GPTQ's, or the integer steps'), each linear's weight object comes from there instead of
+    round-to-nearest."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     skipped = {n for n in linears if n in full_precision or any(re.search(p, n) for p in patterns)}
@@ -192,8 +271,11 @@ def _quantized_state(model: torch.nn.Module, preset: SchemePreset, patterns: tup
         else:
             if name not in results:
                 raise QuantkitError(f"GPTQ left {name} unquantized; this is a bug")
-            q = results[name].weight
+            q = results[name] if isinstance(results[name], QuantizedWeight) else results[name].weight
             tensors, dequantized[name] = LAYOUTS[layout_of(preset)].pack(q), q.dequantize()
+        if input_scales:
+            suffix, scale = input_scales[name]
+            tensors = {**tensors, suffix: scale}
         del state[f"{name}.weight"]
         state.update({f"{name}.{suffix}": t for suffix, t in tensors.items()})
     # tied parameters and per-expert views share storage; safetensors refuses that, so store independent copies
@@ -224,7 +306,7 @@ def _save(out: Path, state: dict[str, torch.Tensor], config: dict) -> None:
 
 def read_dequantized(folder: os.PathLike) -> dict[str, torch.Tensor]:
     """{module name: float32 weight} of a single-group compressed-tensors float checkpoint in `folder`
-    (float-quantized, nvfp4-pack-quantized or mxfp4-pack-quantized), reading only that folder's
+    (float-quantized, nvfp4-pack-quantized or mxfp4-pack-quantized, or W4AFP8's pack-quantized), reading only that folder's
     *.safetensors files (no pickle)."""
     from safetensors.torch import load_file
 
@@ -260,6 +342,10 @@ def read_dequantized(folder: os.PathLike) -> dict[str, torch.Tensor]:
             if "weight" not in own:
                 raise QuantkitError(f"{name} has a weight_scale but no weight; the checkpoint is incomplete")
             q = layout.unpack(own, tuple(own["weight"].shape), weights.strategy, weights.block_size)
+        elif layout is ct_w4afp8:
+            if "weight_shape" not in own:
+                raise QuantkitError(f"{name} has a weight_packed but no weight_shape; the checkpoint is incomplete")
+            q = layout.read(own, tuple(int(v) for v in own["weight_shape"].tolist()), weights)
         else:
             packed = own["weight_packed"]
             q = layout.unpack(own, (packed.shape[0], packed.shape[1] * 2))

@@ -28,8 +28,10 @@ def _decompressed_by_compressed_tensors(folder, weights: dict, name: str):
         folder, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
     for module_name, w in weights.items():
         got = loaded.get_submodule(module_name).weight.detach()
-        # compressed-tensors decompresses FP4 layouts in bfloat16; quantkit's values are exact there
-        want = w.to(torch.bfloat16).to(got.dtype) if "FP4" in name else w.to(got.dtype)
+        # compressed-tensors decompresses FP4 layouts in bfloat16 (quantkit's values are exact there) and int4
+        # (W4AFP8) in its scales' float16, which rounds the products quantkit keeps in float32
+        rounding = torch.bfloat16 if "FP4" in name else torch.float16 if name == "W4AFP8" else got.dtype
+        want = w.to(rounding).to(got.dtype)
         assert torch.equal(got, want), module_name
     return loaded
 
@@ -38,7 +40,7 @@ def _decompressed_by_compressed_tensors(folder, weights: dict, name: str):
 def test_compressed_tensors_decompresses_quantkits_weights(tmp_path, name):
     model = _tiny_llama()
     out = tmp_path / name
-    ours = write(model, preset(name), out)
+    ours = write(model, preset(name), out, calibration=_calibration(name))
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["ignore"] == ["lm_head"] and len(ours) == 7
     loaded = _decompressed_by_compressed_tensors(out, ours, name)
@@ -47,14 +49,29 @@ def test_compressed_tensors_decompresses_quantkits_weights(tmp_path, name):
         original = model.get_submodule(module_name).weight.detach()
         assert not torch.equal(got, original)  # really quantized
         rel = (got.float() - original).norm() / original.norm()
-        assert rel < (0.2 if "FP4" in name else 0.05), (module_name, float(rel))
+        assert rel < (0.2 if preset(name).weights.bits == 4 else 0.05), (module_name, float(rel))
 
 
-def test_presets_that_need_calibration_are_refused(tmp_path):
-    for name in ("FP8", "NVFP4", "W4A16"):
-        with pytest.raises(QuantkitError, match=f"--scheme {name} cannot be written by round-to-nearest yet"):
+def _calibration(name):
+    """Calibration token ids for the presets whose checkpoint stores measured input scales (FP8, NVFP4)."""
+    if not preset(name).calibrates_activations:
+        return None
+    return torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+
+
+def test_what_cannot_be_written_is_refused_with_the_reason(tmp_path):
+    for name in ("FP8", "NVFP4"):
+        with pytest.raises(QuantkitError, match=f"--scheme {name} stores input scales measured on calibration data; "
+                                                "it needs calibration token ids with --method rtn as with gptq"):
             write(_tiny_llama(), preset(name), tmp_path / name)
         assert not (tmp_path / name).exists()
+    with pytest.raises(QuantkitError, match="--scheme W4A16 is not written by quantkit.float_checkpoint"):
+        write(_tiny_llama(), preset("W4A16"), tmp_path / "W4A16")
+    with pytest.raises(QuantkitError, match="--scheme NVFP4 is written with --method rtn or gptq, not 'awq'"):
+        write(_tiny_llama(), preset("NVFP4"), tmp_path / "awq", method="awq", calibration=_calibration("NVFP4"))
+    with pytest.raises(QuantkitError, match="round-to-nearest onto --scheme W4AFP8 reads no calibration data"):
+        write(_tiny_llama(), preset("W4AFP8"), tmp_path / "w4", calibration=_calibration("FP8"))
+    assert not any(tmp_path.iterdir())
     (tmp_path / "taken").mkdir()
     with pytest.raises(QuantkitError, match="already exists"):
         write(_tiny_llama(), preset("NVFP4A16"), tmp_path / "taken")
@@ -64,7 +81,7 @@ def test_presets_that_need_calibration_are_refused(tmp_path):
 def test_quantkit_reads_back_what_it_wrote(tmp_path, name):
     from quantkit.float_checkpoint import read_dequantized
 
-    ours = write(_tiny_llama(), preset(name), tmp_path / name)
+    ours = write(_tiny_llama(), preset(name), tmp_path / name, calibration=_calibration(name))
     back = read_dequantized(tmp_path / name)
     assert sorted(back) == sorted(ours)
     for module_name, w in ours.items():
