@@ -153,3 +153,52 @@ def test_api_writes_fp8_with_rtn_from_its_own_calibration(tmp_path, tiny_llama_d
     with pytest.raises(QuantkitError, match="group_size 128 must divide in_features 64"):
         quantkit.quantize(str(tiny_llama_dir), "rtn", scheme="W4AFP8", output=tmp_path / "w4", progress=False)
     assert not (tmp_path / "w4").exists()
+
+
+def test_load_reads_w4afp8_as_compressed_tensors_itself_writes_it(tmp_path):
+    """compressed-tensors (and llm-compressor on top of it) compress W4AFP8 int-quantized: int8 codes, scales in
+    the model's dtype (bfloat16 here). quantkit.load must read exactly the weights its decompressor gives."""
+    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    from quantkit.runtime.float_linear import FloatLinear
+
+    model = _tiny_llama().to(torch.bfloat16)
+    scheme = preset_name_to_scheme("W4AFP8", ["Linear"])
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                g = module.weight.reshape(module.weight.shape[0], -1, 128)
+                scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), scheme.weights)
+                module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    out = tmp_path / "ct-w4afp8"
+    model.save_pretrained(out)
+    compressor.update_config(out)
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg["format"] == "int-quantized"
+    state = load_file(str(out / "model.safetensors"))
+    decompressor = BaseCompressor.get_value_from_registry("int-quantized")
+    loaded = quantkit.load(out, dtype="float32")
+    layers = {n: m for n, m in loaded.named_modules() if isinstance(m, FloatLinear)}
+    assert len(layers) == 14
+    for name, layer in layers.items():
+        local = {k: state[f"{name}.{k}"] for k in ("weight", "weight_scale")}
+        assert local["weight_scale"].dtype == torch.bfloat16
+        theirs = decompressor.decompress(local, scheme)["weight"]
+        exact = dequantize(x_q=local["weight"], scale=local["weight_scale"].float(), args=scheme.weights,
+                           dtype=torch.float32)
+        assert torch.equal(exact.to(theirs.dtype), theirs), name
+        assert torch.equal(layer.dequantized_weight(), exact), name
+    assert torch.isfinite(loaded(CALIBRATION[:1]).logits).all()
+    bad = {**state, "model.layers.0.mlp.down_proj.weight": torch.full_like(state["model.layers.0.mlp.down_proj.weight"], 9)}
+    from safetensors.torch import save_file
+
+    save_file(bad, str(out / "model.safetensors"))
+    with pytest.raises(QuantkitError, match="holds codes outside 4-bit"):
+        quantkit.load(out)

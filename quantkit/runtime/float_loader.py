@@ -22,6 +22,11 @@ from quantkit.runtime.float_linear import FloatLinear
 from quantkit.runtime.loader import empty_model_and_state, fill_and_place
 
 
+# scale dtypes a writer may use (compressed-tensors stores most scales in the model's dtype) that convert to the
+# dtype the layout declares without loss; anything else is refused as a mismatch
+_WIDENS_TO = {torch.float32: (torch.bfloat16, torch.float16)}
+
+
 def load_float_model(folder: Path, qcfg: dict, files: list[Path], backend: str, device: torch.device,
                      dtype: Optional[str], trust_remote_code: bool):
     """The transformers model of a float checkpoint in `folder`, its quantized linears `FloatLinear`s."""
@@ -55,6 +60,8 @@ def load_float_model(folder: Path, qcfg: dict, files: list[Path], backend: str, 
                 raise QuantkitError(f"{folder}: checkpoint is missing tensor {rename(name)}.{suffix} "
                                     f"({group.layout.FORMAT} linear)")
             t = state.pop(key)
+            if t.dtype in _WIDENS_TO.get(want, ()):  # e.g. llm-compressor's bfloat16 scales of a bf16 model
+                t = t.to(want)
             if t.dtype != want or tuple(t.shape) != tuple(shape):
                 raise QuantkitError(f"{where[key]}: tensor {rename(name)}.{suffix} is {str(t.dtype).replace('torch.', '')} "
                                     f"{tuple(t.shape)}, the config implies {str(want).replace('torch.', '')} "
