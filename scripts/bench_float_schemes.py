@@ -8,7 +8,10 @@ token ids (quantkit's own pipeline, `lee`, seed 0, written once to WORKDIR/calib
                  quantkit's layer-by-layer pipeline)
   llmc rtn       llm-compressor's QuantizationModifier(scheme=PRESET)   (scripts/llmcompressor_peer.py)
   llmc gptq      llm-compressor's GPTQModifier(scheme=PRESET), dampening 0.01, block 128, its default act-order
-each in its own subprocess; "seconds" is the quantization call alone (model loading excluded) for both tools.
+each in its own subprocess; "seconds" is the quantization call alone (model loading excluded) for both tools,
+"cpu_s" the whole child's CPU seconds (load included; less sensitive to a busy machine than wall time).
+quantkit's rows take options (`--quantkit-options JSON`, or per row: "quantkit rtn mse=false" is RTN on the
+absmax scales, without the range search of `float_codecs.scale_search`).
 Every checkpoint is scored by `quantkit eval --baseline MODEL` on held-out `lee` and `wiki` windows (the
 same loader for both tools' folders; its logits equal a transformers forward on compressed-tensors'
 decompressed weights, tests/test_float_runtime.py): mean KL to the original model per token, top-1
@@ -92,7 +95,9 @@ def main() -> None:
             if out.exists():
                 sys.exit(f"{out} exists; use a fresh --workdir")
             result, wall = run(cmd)
-            row = {"preset": name, "row": " ".join([tool, method, *extra]), "path": str(out), "seconds": result["seconds"]}
+            # cpu_s: the child's user + sys seconds (model load included), which a busy machine inflates far less
+            row = {"preset": name, "row": " ".join([tool, method, *extra]), "path": str(out), "seconds": result["seconds"],
+                   "cpu_s": result["_cpu_s"]}
             if tool == "quantkit":
                 row["options"] = options
             for dataset, windows in (("lee", args.lee_windows), ("wiki", args.wiki_windows)):
