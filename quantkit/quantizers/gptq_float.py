@@ -28,7 +28,8 @@ from quantkit.float_codecs.fp8 import Fp8Weight
 from quantkit.float_codecs.fused_global_scale import shared_global_scales
 from quantkit.float_codecs.nvfp4 import Nvfp4Weight
 from quantkit.quantizers.base import LayerContext, Quantizer
-from quantkit.quantizers.gptq_core import HessianAccumulator, HessianError, _cholesky_inverse_upper, _damp_schedule
+from quantkit.quantizers.gptq_core import (HessianAccumulator, act_order_permutation, checked_float32_copies,
+                                           damped_inverse_cholesky, zero_dead_inputs_)
 from quantkit.scheme import LinearScheme
 from quantkit.scheme_presets import QuantArgs
 
@@ -37,33 +38,20 @@ from quantkit.scheme_presets import QuantArgs
 def gptq_on_float_grid(weight: torch.Tensor, H: torch.Tensor, grid: FixedFloatGrid, block_size: int = 128,
                        damp_percent: float = 0.01, act_order: bool = True) -> tuple[torch.Tensor, dict]:
     """GPTQ of weight [N, K] given the input Hessian H [K, K], every column rounded on `grid`. Returns the
-    float32 weight it chose (every element on the grid) and stats (loss: sum of err^2 / 2, damp, dead, seconds)."""
+    float32 weight it chose (every element on the grid) and stats (loss: sum of err^2 / 2, damp, dead, seconds).
+
+    The checks, dead inputs, act-order and damped inverse are the integer solver's (`gptq_core`); the column
+    loop is its own: the grid is fixed before the solve, so it has none of `gptq_core._solve_columns`'
+    groups formed mid-solve (and keeps its own summation order, hence its bytes)."""
     t0 = time.perf_counter()
     n, k = weight.shape
     if tuple(H.shape) != (k, k):
         raise ValueError(f"Hessian shape {tuple(H.shape)} does not match in_features {k}")
-    W = weight.detach().to(torch.float32).clone()
-    H = H.detach().to(torch.float32).clone()
-    if not (bool(torch.isfinite(W).all()) and bool(torch.isfinite(H).all())):
-        raise HessianError("weight or Hessian holds NaN/inf; GPTQ cannot quantize it")
-    diag = torch.diagonal(H)
-    dead = diag == 0  # inputs the layer never saw: their weights cannot matter
-    H[dead, :] = 0
-    H[:, dead] = 0
-    diag[dead] = 1
-    W[:, dead] = 0
-    perm = torch.argsort(diag, descending=True, stable=True) if act_order else torch.arange(k)
+    W, H = checked_float32_copies(weight, H)
+    n_dead = zero_dead_inputs_(W, H)
+    perm = act_order_permutation(H) if act_order else torch.arange(k)
     W, H = W[:, perm], H[perm][:, perm]
-    mean_diag = float(torch.diagonal(H).mean())
-    Hinv = None
-    for pct in _damp_schedule(damp_percent):
-        Hd = H.clone()
-        torch.diagonal(Hd).add_(pct * mean_diag)
-        Hinv = _cholesky_inverse_upper(Hd)
-        if Hinv is not None:
-            break
-    if Hinv is None:
-        raise HessianError("GPTQ: the Hessian is not positive definite at any damping; use more calibration data")
+    Hinv, pct, mean_diag = damped_inverse_cholesky(H, damp_percent, n_dead)
     cols = perm.tolist()
     WT = W.t().contiguous()  # [K, N]: a column is a contiguous row (the loop is dispatch-bound)
     QT = torch.empty_like(WT)
@@ -85,7 +73,7 @@ def gptq_on_float_grid(weight: torch.Tensor, H: torch.Tensor, grid: FixedFloatGr
             WT[i2:].addmm_(Hinv[i1:i2, i2:].t(), Err1, alpha=-1.0)
     w_hat = torch.empty_like(W)
     w_hat[:, perm] = QT.t()
-    return w_hat, {"loss": loss, "damp": pct * mean_diag, "dead": int(dead.sum()),
+    return w_hat, {"loss": loss, "damp": pct * mean_diag, "dead": n_dead,
                    "seconds": time.perf_counter() - t0}
 
 
