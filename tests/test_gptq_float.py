@@ -133,3 +133,36 @@ def test_fast_e2m1_rounding_is_decode_of_encode():
     assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
     off_ties = x[~torch.isin(x.abs(), ties)]  # away from ties the brute-force search agrees
     assert torch.equal(e2m1.nearest_value(off_ties).abs(), nearest(off_ties, E2M1).abs())
+
+
+def test_the_float_solver_refuses_and_retries_as_the_integer_one_does():
+    """The float solver shares gptq_core's input checks and damped inverse: a Hessian with a negative
+    diagonal or NaN is refused in the integer solver's words, a slightly indefinite one is solved after
+    damp_percent is raised (with the warning naming both values), a hopeless one is refused."""
+    from quantkit.quantizers.gptq_core import HessianError
+
+    g = torch.Generator().manual_seed(3)
+    k = 64
+    W = torch.randn(32, k, generator=g)
+    x = torch.randn(512, 12, generator=g) @ torch.randn(12, k, generator=g) + 0.05 * torch.randn(512, k, generator=g)
+    H = 2 / 512 * x.t() @ x  # rank ~12: smallest eigenvalues ~0
+    grid = fixed_grid(W, preset("FP8_DYNAMIC").weights)
+    neg = H.clone()
+    neg[2, 2] = -1.0
+    with pytest.raises(HessianError, match="negative diagonal"):
+        gptq_on_float_grid(W, neg, grid)
+    nan_h = H.clone()
+    nan_h[3, 4] = float("nan")
+    with pytest.raises(HessianError, match="NaN/inf"):
+        gptq_on_float_grid(W, nan_h, grid)
+    shifted = H - 0.05 * torch.diag(H).mean() * torch.eye(k)  # damp 1% cannot fix it, 10% can
+    assert bool((torch.diag(shifted) > 0).all())
+    with pytest.warns(RuntimeWarning, match=r"retrying with damp_percent=0\.1"):
+        w_hat, stats = gptq_on_float_grid(W, shifted, grid, block_size=16)
+    assert stats["damp"] == pytest.approx(0.1 * float(torch.diag(shifted).mean()))
+    want = textbook_gptq(W, shifted, grid.step, E4M3, act_order=True, damp=0.1)  # the solve at the raised damp
+    assert (w_hat == want).float().mean() > 0.99, float((w_hat == want).float().mean())
+    hopeless = H.clone()
+    hopeless[0, 1] = hopeless[1, 0] = 3 * float(H[0, 0] * H[1, 1]) ** 0.5 + 10 * float(torch.diag(H).mean())
+    with pytest.warns(RuntimeWarning), pytest.raises(HessianError, match="not positive definite even with"):
+        gptq_on_float_grid(W, hopeless, grid)

@@ -37,7 +37,8 @@ from quantkit.qtensor import QuantizedWeight
 from quantkit.quantizers.grid import find_qparams, max_code
 from quantkit.reduction import RowSum, SampleLayout
 
-__all__ = ["HessianAccumulator", "CrossAccumulator", "HessianError", "asymmetric_target", "gptq_quantize", "find_qparams"]
+__all__ = ["HessianAccumulator", "CrossAccumulator", "HessianError", "asymmetric_target", "gptq_quantize", "find_qparams",
+           "checked_float32_copies", "zero_dead_inputs_", "act_order_permutation", "damped_inverse_cholesky"]
 
 # largest damp_percent the Cholesky retry loop escalates to (damp = 100% of mean(diag H))
 MAX_DAMP_PERCENT = 1.0
@@ -288,6 +289,82 @@ def _damp_schedule(damp_percent: float) -> list[float]:
     return out
 
 
+# The steps every GPTQ solver takes before its column loop (the integer grid's `gptq_quantize` and the
+# float grids' `quantizers.gptq_float`): one copy, so both refuse the same inputs in the same words.
+
+def checked_float32_copies(weight: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 copies of weight [N, K] and Hessian H [K, K] (on the weight's device) that the solver may edit.
+    Refuses, with a HessianError saying why, NaN/inf in either and a negative diagonal in H: such a matrix
+    is no 2/n X^T X, and would otherwise fail late in Cholesky or be solved into garbage."""
+    W = weight.detach().to(torch.float32).clone()
+    if not bool(torch.isfinite(W).all()):
+        raise HessianError("weight contains NaN/inf values; GPTQ cannot quantize it")
+    H = H.detach().to(device=weight.device, dtype=torch.float32).clone()
+    n_bad = int((~torch.isfinite(H)).sum())
+    if n_bad:
+        raise HessianError(
+            f"Hessian contains {n_bad} NaN/inf entries (calibration activations overflowed); "
+            "feed it through HessianAccumulator (which drops bad rows) or use different calibration data"
+        )
+    if bool((torch.diagonal(H) < 0).any()):
+        raise HessianError("Hessian has negative diagonal entries, so it is not 2/n * X^T X of any inputs")
+    return W, H
+
+
+def zero_dead_inputs_(W: torch.Tensor, H: torch.Tensor) -> int:
+    """Dead inputs (H[i,i] == 0: the layer never saw them) cannot matter, so their weight columns are
+    zeroed and H[i,i] set to 1 (row and column otherwise 0) to keep H invertible. In place; returns
+    how many there were."""
+    diag = torch.diagonal(H)
+    dead = diag == 0
+    n_dead = int(dead.sum())
+    if n_dead:
+        H[dead, :] = 0
+        H[:, dead] = 0
+        diag[dead] = 1
+        W[:, dead] = 0
+    return n_dead
+
+
+def act_order_permutation(H: torch.Tensor) -> torch.Tensor:
+    """GPTQ's act-order: columns by descending H[i,i], so the inputs that carry the most energy are
+    rounded first, while the most columns remain to absorb their error. Stable: ties keep their order,
+    so the checkpoint is the same on every run."""
+    return torch.argsort(torch.diagonal(H), descending=True, stable=True)
+
+
+def damped_inverse_cholesky(H: torch.Tensor, damp_percent: float, n_dead: int = 0) -> tuple[torch.Tensor, float, float]:
+    """(U, damp_percent used, mean(diag H)): U the upper Cholesky factor of (H + damp I)^-1, damp =
+    damp_percent * mean(diag H). Calibration Hessians are often singular or, in float32, slightly
+    indefinite, so while H + damp I is not numerically positive definite damp_percent is raised x10
+    (up to MAX_DAMP_PERCENT) with a RuntimeWarning naming both values; past that a HessianError
+    (`n_dead` goes into its message). The factorisation runs on one thread on CPU: the same bits at
+    any thread count (`_single_thread_on_cpu`)."""
+    k = H.shape[0]
+    mean_diag = float(torch.diagonal(H).mean())
+    schedule = _damp_schedule(damp_percent)
+    for attempt, pct in enumerate(schedule):
+        if attempt:
+            warnings.warn(
+                f"GPTQ: Hessian not positive definite with damp_percent={schedule[attempt - 1]:g}; "
+                f"retrying with damp_percent={pct:g} (damp={pct * mean_diag:.4g})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        Hd = H.clone()
+        torch.diagonal(Hd).add_(pct * mean_diag)
+        with _single_thread_on_cpu(H.device):
+            Hinv = _cholesky_inverse_upper(Hd)
+        del Hd
+        if Hinv is not None:
+            return Hinv, pct, mean_diag
+    raise HessianError(
+        f"GPTQ: Hessian is not positive definite even with damp_percent={MAX_DAMP_PERCENT:g} "
+        f"({k} inputs, {n_dead} dead); the calibration statistics are corrupt or indefinite, "
+        "use more calibration data or quantize this layer with RTN"
+    )
+
+
 SUB_BLOCK = 16  # columns whose errors update each other at once, inside a block (see the column loop)
 
 
@@ -405,32 +482,13 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
         raise ValueError(f"damp_percent must be >= 0, got {damp_percent}")
 
     dev = weight.device
-    W = weight.detach().to(torch.float32).clone()
-    if not bool(torch.isfinite(W).all()):
-        raise HessianError("weight contains NaN/inf values; GPTQ cannot quantize it")
-    H = H.detach().to(device=dev, dtype=torch.float32).clone()
-    n_bad = int((~torch.isfinite(H)).sum())
-    if n_bad:
-        raise HessianError(
-            f"Hessian contains {n_bad} NaN/inf entries (calibration activations overflowed); "
-            "feed it through HessianAccumulator (which drops bad rows) or use different calibration data"
-        )
-    diag = torch.diagonal(H)  # view: edits below write into H
-    if bool((diag < 0).any()):
-        raise HessianError("Hessian has negative diagonal entries, so it is not 2/n * X^T X of any inputs")
+    W, H = checked_float32_copies(weight, H)
 
     gs = k if group_size == -1 else group_size
     n_groups = k // gs
     maxq = max_code(bits)
 
-    # dead inputs: the layer never saw them, so their weights cannot matter
-    dead = diag == 0
-    n_dead = int(dead.sum())
-    if n_dead:
-        H[dead, :] = 0
-        H[:, dead] = 0
-        diag[dead] = 1
-        W[:, dead] = 0
+    n_dead = zero_dead_inputs_(W, H)
 
     static_scale = static_zero = None
     if group_size == -1:
@@ -447,11 +505,10 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
 
     perm = invperm = None
     if act_order:
-        perm = torch.argsort(diag, descending=True, stable=True)  # deterministic ties
+        perm = act_order_permutation(H)
         invperm = torch.argsort(perm)
         W = W[:, perm]
         H = H[perm][:, perm]
-        diag = torch.diagonal(H)
 
     # group used by each processed column (python ints: no syncs in the inner loop)
     if static_scale is not None:
@@ -460,32 +517,7 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
     else:
         col_group = None
 
-    mean_diag = float(diag.mean())
-    Hinv = None
-    used_pct = damp_percent
-    schedule = _damp_schedule(damp_percent)
-    for attempt, pct in enumerate(schedule):
-        if attempt:
-            warnings.warn(
-                f"GPTQ: Hessian not positive definite with damp_percent={schedule[attempt - 1]:g}; "
-                f"retrying with damp_percent={pct:g} (damp={pct * mean_diag:.4g})",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        Hd = H.clone()
-        torch.diagonal(Hd).add_(pct * mean_diag)
-        with _single_thread_on_cpu(dev):
-            Hinv = _cholesky_inverse_upper(Hd)
-        del Hd
-        if Hinv is not None:
-            used_pct = pct
-            break
-    if Hinv is None:
-        raise HessianError(
-            f"GPTQ: Hessian is not positive definite even with damp_percent={MAX_DAMP_PERCENT:g} "
-            f"({k} inputs, {n_dead} dead); the calibration statistics are corrupt or indefinite, "
-            "use more calibration data or quantize this layer with RTN"
-        )
+    Hinv, used_pct, mean_diag = damped_inverse_cholesky(H, damp_percent, n_dead)
     del H
 
     WT = W.t().contiguous()  # [k, n]: a column is a contiguous row
