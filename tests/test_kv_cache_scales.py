@@ -192,3 +192,48 @@ def test_loader_refuses_damaged_kv_scales(tmp_path):
 def test_unknown_kv_cache_scheme_is_refused():
     with pytest.raises(QuantkitError, match="use fp8 .* or fp8-head"):
         parse_kv_cache_scheme("int8")
+
+
+def test_quantize_writes_kv_scales_from_the_runs_tokens(tiny_llama_dir, tmp_path):
+    """quantize(scheme=..., kv_cache_scheme=...) on a folder: the scales written are the ones calibrated on the
+    run's tokens (same tokens, same model), and quantkit.load hands them to the engine."""
+    import quantkit
+    from safetensors.torch import load_file
+
+    ids = torch.randint(3, 49152, (4, 32), generator=torch.Generator().manual_seed(3))
+    out = tmp_path / "fp8-kv"
+    quantkit.quantize(str(tiny_llama_dir), scheme="fp8_dynamic", kv_cache_scheme="FP8-head", dataset=ids,
+                      output=out, progress=False)
+    want = calibrate_kv_scales(transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir), ids,
+                               parse_kv_cache_scheme("fp8-head"))
+    stored = load_file(str(out / "model.safetensors"))
+    assert torch.equal(stored["model.layers.1.self_attn.v_scale"], want.v[1].reshape(2, 1, 1))
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg["kv_cache_scheme"]["strategy"] == "attn_head"
+    torch.testing.assert_close(quantkit.load(str(out)).kv_cache_scales[0], want.k)
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (dict(format="gptq"), "the gptq format has no place for KV-cache scales"),
+    (dict(format="awq", method="awq"), "the awq format has no place for KV-cache scales"),
+    (dict(format="gguf"), "the gguf format has no place for KV-cache scales"),
+])
+def test_formats_that_cannot_carry_kv_scales_refuse(flags, reason):
+    from quantkit.plan import resolve_plan
+
+    with pytest.raises(QuantkitError, match=reason + r".*use --format compressed-tensors"):
+        resolve_plan(flags.pop("method", None), kv_cache_scheme="fp8", **flags)
+    assert resolve_plan(None, scheme="FP8_DYNAMIC", kv_cache_scheme="fp8").kv_cache.strategy == "tensor"
+
+
+def test_cli_refuses_kv_scheme_on_the_integer_writer_in_one_line(tiny_llama_dir, tmp_path, capsys):
+    from quantkit.cli import main
+
+    for args, reason in ((["--format", "compressed-tensors"], "integer compressed-tensors writer does not carry it"),
+                         (["--method", "gptq"], "the gptq format has no place for KV-cache scales")):
+        with pytest.raises(SystemExit) as exc:
+            main(["quantize", "--model", str(tiny_llama_dir), "--kv-cache-scheme", "fp8", *args,
+                  "--output", str(tmp_path / "x")])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and reason in err and err.count("\n") == 1
+        assert not (tmp_path / "x").exists()
