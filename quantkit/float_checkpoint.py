@@ -128,7 +128,8 @@ METHODS = ("rtn", "gptq")
 
 def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
           ignore: Iterable[str] = DEFAULT_IGNORE, method: str = "rtn", calibration: Optional[torch.Tensor] = None,
-          options: Optional[dict] = None, batch_size: int = 8, progress: bool = False) -> dict[str, torch.Tensor]:
+          options: Optional[dict] = None, batch_size: int = 8, progress: bool = False,
+          kv_scales=None) -> dict[str, torch.Tensor]:
     """Quantize every nn.Linear of a transformers model not matching `ignore` (regexes) and save it to `output`
     (a new folder; written in a staging folder beside it and renamed, so a failure leaves nothing behind).
     MoE experts are quantized one linear per expert and projection (the names compressed-tensors and vLLM
@@ -137,7 +138,8 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     (`quantizers.gptq_float`) through quantkit's layer-by-layer pipeline, calibrated on `calibration` (token
     ids [samples, seq_len]) with `options` (damp_percent, block_size, desc_act, true_sequential; and mse, the
     scales' range search, for both methods: `float_codecs.scale_search`, None its format's default); it leaves
-    `model`'s linears fake-quantized, as the pipeline does.
+    `model`'s linears fake-quantized, as the pipeline does. `kv_scales` (quantkit.kv_calibration.KVScales)
+    adds the calibrated FP8 KV-cache scales and the config's kv_cache_scheme.
     Returns {module name: dequantized float32 weight}, what a reader should reconstruct."""
     out = Path(output)
     if out.exists():
@@ -174,6 +176,9 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
         raise QuantkitError("no linear layers left to quantize after the ignore list; loosen --ignore")
     config = model.config.to_dict()
     config["quantization_config"] = quantization_config(preset, sorted({rename(n) for n in skipped | full_precision}))
+    if kv_scales is not None:
+        state.update(kv_scales.tensors(rename))
+        config["quantization_config"]["kv_cache_scheme"] = kv_scales.scheme.config()
     _save(out, state, config)
     return dequantized
 
