@@ -150,6 +150,8 @@ def test_api_writes_fp8_with_rtn_from_its_own_calibration(tmp_path, tiny_llama_d
     assert len([k for k in state if k.endswith(".input_scale")]) == 14
     recipe = (out / "recipe.yaml").read_text()
     assert "num_samples: 4" in recipe and "scheme: FP8" in recipe
+    quantkit.quantize(recipe=str(out / "recipe.yaml"), output=tmp_path / "replay", progress=False)
+    assert (tmp_path / "replay" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
     with pytest.raises(QuantkitError, match="group_size 128 must divide in_features 64"):
         quantkit.quantize(str(tiny_llama_dir), "rtn", scheme="W4AFP8", output=tmp_path / "w4", progress=False)
     assert not (tmp_path / "w4").exists()
