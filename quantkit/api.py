@@ -75,6 +75,7 @@ def quantize(
     resume: bool = False,
     streaming: Optional[bool] = None,
     gguf_type: Optional[str] = None,
+    kv_cache_scheme: Optional[str] = None,
     moe_calibration: Optional[str] = None,
     moe_min_tokens: Optional[int] = None,
     nproc: Optional[int] = None,
@@ -93,7 +94,9 @@ def quantize(
     (its source model, dtype and shard size are used where not given; calibration on in-memory
     data needs the same tokens passed again as `dataset`, other tokens are refused).
     `scheme` names a compressed-tensors preset (W4A16, W8A16, W8A8, FP8_DYNAMIC, FP8_BLOCK,
-    NVFP4A16, MXFP4A16, MXFP4; case-insensitive) instead of bits/group_size/sym.
+    NVFP4A16, MXFP4A16, MXFP4; case-insensitive) instead of bits/group_size/sym. `kv_cache_scheme` "fp8"
+    (one scale per layer) or "fp8-head" (one per KV head) calibrates static FP8 KV-cache scales on the
+    calibration tokens and writes them as compressed-tensors' kv_cache_scheme (quantkit.kv_calibration).
 
     `model` is a folder, a .gguf file, a hub id, "demo", or an in-memory transformers model, which
     is left untouched: quantkit calibrates a CPU copy (one more copy of the weights in memory; pass
@@ -281,9 +284,12 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
         ids = batch = None
         if plan.calibration is not None:  # GPTQ, and FP8 / NVFP4's static input scales with either method
             plan, ids, batch = _calibration_set(plan, hf_model, tokenizer)
+        kv_scales = _kv_cache_scales(plan, hf_model, ids, batch, args["progress"])  # before GPTQ changes the model
+        if kv_scales is not None and not plan.recipe.needs_calibration and not p.calibrates_activations:
+            ids = None  # drawn for the KV-cache scales only
         float_checkpoint.write(hf_model, p, folder, ignore=plan.scheme.ignore, method=plan.recipe.name,
                                calibration=ids, options=non_default_options(plan.recipe),
-                               batch_size=batch or 8, progress=bool(args["progress"]))
+                               batch_size=batch or 8, progress=bool(args["progress"]), kv_scales=kv_scales)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         resolved = _resolved_run(args, plan, {}, batch, None, hf_model.dtype, None)
@@ -295,6 +301,16 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
                "layout": float_checkpoint.layout_of(p), "seconds": round(time.perf_counter() - t0, 3),
                "peak_rss_mb": _rss_mb()}
     return QuantizeResult(output=output, plan=plan, metrics=None, summary=summary, resolved=resolved)
+
+
+def _kv_cache_scales(plan, hf_model, input_ids, batch, progress):
+    """The calibrated FP8 KV-cache scales --kv-cache-scheme asks for (quantkit.kv_calibration), observed on
+    the source model before any linear is quantized; None when not asked."""
+    if plan.kv_cache is None:
+        return None
+    from quantkit.kv_calibration import calibrate_kv_scales
+
+    return calibrate_kv_scales(hf_model, input_ids, plan.kv_cache, batch_size=batch or 8, progress=bool(progress))
 
 
 def _allocation(args: dict, plan, schemes: dict, layer_source, comm, hf_model, save_dtype):
@@ -323,7 +339,7 @@ def _plan_of(args: dict):
     a = args
     return resolve_plan(a["method"], recipe_file=a["recipe"], options=a["options"], bits=a["bits"],
                         group_size=a["group_size"], sym=a["sym"], ignore=a["ignore"], format=a["format"],
-                        gguf_type=a["gguf_type"],
+                        gguf_type=a["gguf_type"], kv_cache_scheme=a["kv_cache_scheme"],
                         scheme=a["scheme"], calibration={k: a[k] for k in ("dataset", "num_samples", "seq_len", "seed", "chat_template",
                                                        "batch_size", "moe_calibration", "moe_min_tokens")})
 

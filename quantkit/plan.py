@@ -81,6 +81,7 @@ class QuantizePlan:
     gguf_type: Optional[str] = None  # with format "gguf": the llama.cpp type or mix the weights go onto
     preset: Optional[SchemePreset] = None  # --scheme NAME; a float one is written by quantkit.float_checkpoint
     replay: Optional[Replay] = None  # what a checkpoint's recipe.yaml promises (checked after loading)
+    kv_cache: Any = None  # --kv-cache-scheme: a quantkit.kv_calibration.KVCacheScheme, None when not asked
 
     @property
     def float_preset(self) -> Optional[SchemePreset]:
@@ -179,7 +180,7 @@ def parse_option_value(text: str) -> Any:
 
 def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = None, bits=None, group_size=None,
                  sym=None, ignore=None, format=None, gguf_type=None, calibration: Optional[dict] = None,
-                 scheme: Optional[str] = None) -> QuantizePlan:
+                 scheme: Optional[str] = None, kv_cache_scheme: Optional[str] = None) -> QuantizePlan:
     """Recipe file + explicit arguments (which win) -> a frozen plan. `calibration` holds only the
     calibration arguments the caller gave explicitly (dataset, num_samples, ...); `scheme` a preset name."""
     for flag, value in (("--recipe", recipe_file), ("--format", format), ("--gguf-type", gguf_type),
@@ -205,10 +206,29 @@ def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = Non
     elif preset is None or not preset.float_grid:
         _check_format(recipe, format_name)
     replay = replay_of(rec, str(recipe_file), calibration or {}, flags_given) if rec else None
+    kv_cache = _kv_cache(kv_cache_scheme, format_name, preset)
     return QuantizePlan(recipe=recipe, scheme=quant_scheme, format=format_name, gguf_type=gguf_type, preset=preset,
-                        replay=replay,
+                        replay=replay, kv_cache=kv_cache,
                         calibration=_calibration(recipe, rec.get("calibration") or {}, calibration or {},
-                                                 needed=preset is not None and preset.calibrates_activations))
+                                                 needed=(preset is not None and preset.calibrates_activations)
+                                                 or kv_cache is not None))
+
+
+def _kv_cache(name: Optional[str], format_name: str, preset: Optional[SchemePreset]):
+    """--kv-cache-scheme as a KVCacheScheme; only compressed-tensors declares KV-cache scales (its
+    kv_cache_scheme), so the other formats refuse it, and so far only the float presets' writer writes them."""
+    from quantkit.kv_calibration import parse_kv_cache_scheme
+
+    kv = parse_kv_cache_scheme(name)
+    if kv is not None and format_name != "compressed-tensors":
+        raise QuantkitError(f"--kv-cache-scheme: the {format_name} format has no place for KV-cache scales (vLLM reads "
+                            "them from a compressed-tensors kv_cache_scheme); use --format compressed-tensors or drop "
+                            "--kv-cache-scheme")
+    if kv is not None and (preset is None or not preset.float_grid):
+        raise QuantkitError("--kv-cache-scheme is written with the float presets so far (--scheme FP8_DYNAMIC, "
+                            "FP8_BLOCK, NVFP4A16, ...); the integer compressed-tensors writer does not carry it yet: "
+                            "choose a float --scheme or drop --kv-cache-scheme")
+    return kv
 
 
 def _named_scheme(scheme: Optional[str], rec: dict, method, bits, group_size, sym, format):

@@ -86,6 +86,10 @@ SETTINGS: tuple[Setting, ...] = (
        types=_STR),
     _s("gguf_type", RECIPE, "With --format gguf: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q4_K_M or Q5_K_M "
                             "(default: the type matching --bits/--sym).", types=_STR),
+    _s("kv_cache_scheme", RECIPE, "fp8 (one scale per layer) or fp8-head (one per KV head): calibrate static FP8 "
+                                  "KV-cache scales on the calibration tokens (keys after RoPE) and write them as vLLM "
+                                  "reads them (compressed-tensors only); quantkit's engine uses them with "
+                                  "--kv-cache-dtype fp8.", types=_STR),
     _s("ignore", RECIPE, "Regex of module names to keep in full precision (repeatable; default lm_head).",
        types=(list, tuple), multiple=True),
     _s("options", RECIPE, "Method option KEY=VALUE (repeatable), e.g. damp_percent=0.02.", decls=("--option", "options"),
