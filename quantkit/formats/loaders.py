@@ -47,11 +47,15 @@ def vllm_refusal(fmt: str, specs: Union[Iterable[LinearSpec], Mapping[str, Linea
     return f"vLLM does not serve the {fmt} layout from a folder"
 
 
-# Float presets (quantkit.float_checkpoint) vLLM's CPU build has no kernel for, in vLLM's words
+# Float presets (quantkit.float_checkpoint) vLLM's CPU build has no kernel for, in vLLM's words (FP8, NVFP4 and
+# W4AFP8 checked by hand on 2026-12-06 with scripts/vllm_score.py, not in the vLLM tier)
 _NO_CPU_KERNEL = {
     "NVFP4A16": "\"Marlin FP4 not available\"",
     "MXFP4A16": "\"Failed to find a kernel that can implement the MXFP4 linear layer\"",
     "MXFP4": "\"Failed to find a kernel that can implement the MXFP4 linear layer\"",
+    "FP8": "static input scales: \"_C::static_scaled_fp8_quant() expected at most 0 argument(s)\"",
+    "NVFP4": "\"Failed to find a kernel that can implement the NVFP4 linear layer\"",
+    "W4AFP8": "\"No compressed-tensors compatible scheme was found\"; its W4A8-FP8 kernel needs Hopper (sm90)",
 }
 FP8_BLOCK_N = 128  # vLLM's FP8 block kernels take linears whose output size is a multiple of the block
 
