@@ -204,3 +204,24 @@ def test_load_reads_w4afp8_as_compressed_tensors_itself_writes_it(tmp_path):
     save_file(bad, str(out / "model.safetensors"))
     with pytest.raises(QuantkitError, match="holds codes outside 4-bit"):
         quantkit.load(out)
+
+
+def test_moe_experts_get_their_own_input_scales(tmp_path):
+    """A tiny Qwen3-MoE in NVFP4: every expert projection is hooked on the tokens routed to it and stores its
+    input_global_scale (gate/up one, as vLLM fuses them); the routers stay in full precision with none; the
+    q/k/v scales equal generate_gparam of the attention input a plain hook sees."""
+    from compressed_tensors.quantization.utils import generate_gparam
+    from test_float_runtime import _tiny_moe
+
+    write(_tiny_moe(), preset("NVFP4"), tmp_path / "moe", calibration=CALIBRATION)
+    state = load_file(str(tmp_path / "moe" / "model.safetensors"))
+    scales = {k[: -len(".input_global_scale")]: v for k, v in state.items() if k.endswith(".input_global_scale")}
+    assert len(scales) == 2 * (4 + 4 * 3) and not any(k.endswith("mlp.gate") for k in scales)
+    for layer in range(2):
+        for e in range(4):
+            prefix = f"model.layers.{layer}.mlp.experts.{e}"
+            assert torch.equal(scales[f"{prefix}.gate_proj"], scales[f"{prefix}.up_proj"])
+    attn_in = _hooked_inputs(_tiny_moe(), CALIBRATION)["model.layers.1.self_attn.q_proj"]
+    assert torch.equal(scales["model.layers.1.self_attn.k_proj"],
+                       generate_gparam(attn_in.min().reshape(1), attn_in.max().reshape(1)))
+    assert torch.isfinite(quantkit.load(tmp_path / "moe", dtype="float32")(CALIBRATION[:1]).logits).all()
