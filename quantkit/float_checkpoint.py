@@ -311,8 +311,8 @@ def _save(out: Path, state: dict[str, torch.Tensor], config: dict) -> None:
 
 def read_dequantized(folder: os.PathLike) -> dict[str, torch.Tensor]:
     """{module name: float32 weight} of a single-group compressed-tensors float checkpoint in `folder`
-    (float-quantized, nvfp4-pack-quantized or mxfp4-pack-quantized, or W4AFP8's pack-quantized), reading only that folder's
-    *.safetensors files (no pickle)."""
+    (float-quantized, nvfp4-pack-quantized, mxfp4-pack-quantized, or W4AFP8's pack-quantized), reading only
+    that folder's *.safetensors files (no pickle)."""
     from safetensors.torch import load_file
 
     root = Path(folder)
