@@ -107,6 +107,10 @@ LAYOUTS = [
     Layout("gptq-w8", cli=["--method", "rtn", "--option", "mse=false", "--bits", "8", "--format", "gptq"]),
     Layout("gptq-w4-per-channel", cli=["--method", "rtn", "--option", "mse=false", "--bits", "4", "--group-size", "-1", "--format", "gptq"]),
     Layout("gptq-asym", cli=["--method", "rtn", "--option", "mse=false", "--bits", "4", "--asym", "--format", "gptq"]),
+    # auto-round's full-range symmetric grid: negative fp16 scales where a group's positive extreme dominates,
+    # the zero 8 implied (vLLM's uint4b8); compressed-tensors' wNa16 reads it the same (checked by hand, #48)
+    Layout("gptq-full-range", cli=["--method", "rtn", "--option", "mse=false", "--option", "sym_range=full",
+                                   "--bits", "4", "--format", "gptq"]),
     Layout("gptq-w3", cli=["--method", "rtn", "--option", "mse=false", "--bits", "3", "--format", "gptq", "--group-size", "32"]),
     Layout("awq-zero-point", cli=["--method", "rtn", "--option", "mse=false", "--bits", "4", "--asym", "--format", "awq"]),
     Layout("awq-sym", cli=["--method", "rtn", "--option", "mse=false", "--bits", "4", "--sym", "--format", "awq"]),
