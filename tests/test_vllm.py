@@ -108,7 +108,8 @@ LAYOUTS = [
     # the user's own command: GPTQ 4-bit, act-order with static groups
     Layout("gptq-default", cli=["--method", "gptq", "--bits", "4"]),
     # layouts, not quality: GPTQ without the range search (mse) writes the same g_idx and tensors; its solve on
-    # the demo's layer shapes (scripts-free measurement, 2 busy cores): static groups 4.4x, dynamic 1.6x faster
+    # the demo's layer shapes 4.4-5.8x (static groups) and 1.6-2.2x (dynamic) faster on 2 busy cores
+    # (scripts/bench_gptq_range_search.py)
     Layout("gptq-dynamic-act-order", cli=["--method", "gptq", "--bits", "4", "--no-static-groups", "--option", "mse=false"]),
     # the other flags change the stored scheme only, which RTN writes in the same layout, faster
     # (--no-desc-act: RTN's trivial g_idx and desc_act false; AWQ's scales are folded into the
