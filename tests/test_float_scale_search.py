@@ -86,7 +86,7 @@ def test_nvfp4_group_scales_are_e4m3_values_a_brute_force_search_picks():
             base = int((E4M3_VALUES == float(absmax_scale[r, c])).nonzero()) if float(absmax_scale[r, c]) > 0 else None
             if base is None or not bool(g64[r, c].any()):
                 continue  # an all-zero group: nothing to search, its scale is the absmax rule's
-            candidates = [E4M3_VALUES[min(max(base + d, 0), len(E4M3_VALUES) - 1)] for d in (0, 1, -1, -2, -3)]
+            candidates = [E4M3_VALUES[min(max(base + d, 0), len(E4M3_VALUES) - 1)] for d in scale_search.NVFP4_CODE_OFFSETS]
             best, errors = _best(g64[r, c], [float(s) / gs for s in candidates], _e2m1_round)
             mine = errors[[float(s) for s in candidates].index(float(chosen[r, c]))]
             assert float(chosen[r, c]) in E4M3_VALUES.tolist()

@@ -48,5 +48,5 @@ def _searched_exponents(groups: torch.Tensor, scale_codes: torch.Tensor) -> torc
     offsets = torch.tensor(scale_search.MXFP4_EXPONENT_OFFSETS, dtype=torch.int16, device=code.device)
     codes = (code.unsqueeze(0) + offsets.view(-1, 1, 1)).clamp(0, 254).unsqueeze(-1)  # [T, N, G, 1]
     codes[0] = code.unsqueeze(-1)  # candidate 0 is the absmax exponent itself
-    best = scale_search.lowest_error(groups, e8m0.decode(codes), e2m1.nearest_value, reduce_dims=(-1,))
+    best = scale_search.lowest_error(groups.abs(), e8m0.decode(codes), scale_search.e2m1_magnitude, reduce_dims=(-1,))
     return scale_search.take(codes, best).squeeze(-1).to(torch.uint8)

@@ -74,5 +74,5 @@ def _searched_group_scales(groups: torch.Tensor, scale: torch.Tensor, gscale: to
     codes[0] = code  # candidate 0 is the absmax scale itself, zero included
     candidates = codes.to(torch.uint8).view(e4m3.DTYPE).to(torch.float32).unsqueeze(-1)  # [T, N, G, 1]
     steps = torch.where(candidates == 0, torch.ones_like(candidates), candidates) / gscale
-    best = scale_search.lowest_error(groups, steps, e2m1.nearest_value, reduce_dims=(-1,))
+    best = scale_search.lowest_error(groups.abs(), steps, scale_search.e2m1_magnitude, reduce_dims=(-1,))
     return scale_search.take(candidates, best).squeeze(-1)

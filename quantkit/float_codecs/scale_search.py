@@ -50,16 +50,25 @@ def enabled(weights: QuantArgs, search: Optional[bool]) -> bool:
     return search
 
 
+def e2m1_magnitude(y: torch.Tensor) -> torch.Tensor:
+    """The nearest E2M1 magnitude of |y| (steps 0.5 below 2, 1 below 4, then 4 or 6; saturating at 6) in a few
+    ops, for the search's error only: at an exact tie it may take the other neighbour than `e2m1.encode`'s
+    ties-to-even, which is as far away, so every error (and the scale chosen) is the same."""
+    a = y.abs().clamp(max=6.0)
+    return torch.where(a < 2, torch.round(a * 2) / 2, torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2))
+
+
 def lowest_error(x: torch.Tensor, steps: torch.Tensor, round_to_grid: Callable[[torch.Tensor], torch.Tensor],
                  reduce_dims: tuple[int, ...]) -> torch.Tensor:
     """Index (into the first axis of `steps`) of the candidate step with the lowest sum of squared rounding
     error of `x`, per region. `steps` [T, *shape broadcastable to x]; `round_to_grid(y)` the nearest grid
-    value of y (E2M1 or E4M3, saturating); `reduce_dims` the dims of x one region spans. The first minimum
-    wins, so candidate 0 (the absmax scale) is kept on a tie. The reduced dims are kept (size 1)."""
+    value of y (E4M3, saturating; or `e2m1_magnitude`, with x the magnitudes); `reduce_dims` the dims of x
+    one region spans. The first minimum wins, so candidate 0 (the absmax scale) is kept on a tie. The reduced
+    dims are kept (size 1)."""
     errors = []
     for step in steps:
-        d = round_to_grid(x / step) * step - x
-        errors.append(d.square().sum(dim=reduce_dims, keepdim=True))
+        d = round_to_grid(x / step).mul_(step).sub_(x)
+        errors.append(d.square_().sum(dim=reduce_dims, keepdim=True))
     return torch.stack(errors).argmin(dim=0)
 
 
