@@ -53,6 +53,35 @@ def quantize_with_quantkit(model_folder: str, preset_name: str, method: str, cal
     print(json.dumps({"seconds": round(seconds, 2)}))
 
 
+def weight_errors(model_name: str, presets: list[str]) -> None:
+    """No data, no scoring: for each preset, the squared weight error of round-to-nearest summed over the
+    model's quantized linears, with the range search (`mse`) and without it, and both RTN's CPU seconds (one
+    process, the same weights). A proxy only: the KL rows above decide the defaults."""
+    import re
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.float_checkpoint import DEFAULT_IGNORE, quantize_weight
+    from quantkit.scheme_presets import preset
+    from quantkit.sources import resolve_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(model_name), dtype=torch.float32).eval()
+    linears = [(n, m.weight.detach()) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and not any(re.search(p, n) for p in DEFAULT_IGNORE)]
+    for name in presets:
+        err, cpu = {}, {}
+        for search in (False, True):
+            c0, total = time.process_time(), 0.0
+            for _, w in linears:
+                _, w_hat = quantize_weight(w, preset(name), search=search)
+                total += float((w_hat - w).double().square().sum())
+            err[search], cpu[search] = total, time.process_time() - c0
+        print(json.dumps({"preset": name, "weight_sq_error_absmax": err[False], "weight_sq_error_search": err[True],
+                          "ratio": round(err[True] / err[False], 4), "cpu_s_absmax": round(cpu[False], 1),
+                          "cpu_s_search": round(cpu[True], 1), "linears": len(linears)}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo")
@@ -67,10 +96,15 @@ def main() -> None:
     ap.add_argument("--quantkit-options", default="{}",
                     help='JSON options for quantkit\'s rows, e.g. \'{"mse": false}\' (scales without the range search)')
     ap.add_argument("--workdir", default="/tmp/qk-float")
+    ap.add_argument("--weight-error", action="store_true",
+                    help="only the RTN weight error with and without the range search per preset (no peer, no eval)")
     ap.add_argument("--run-quantkit", nargs=4, metavar=("PRESET", "METHOD", "CALIB_IDS", "OUTPUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run_quantkit:
         quantize_with_quantkit(args.model, *args.run_quantkit, json.loads(args.quantkit_options))
+        return
+    if args.weight_error:
+        weight_errors(args.model, [p.strip().upper() for p in args.presets.split(",")])
         return
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)

@@ -157,3 +157,9 @@ def test_the_default_follows_the_format_and_a_bad_value_is_refused(tmp_path):
         write(tiny_model("llama", hidden_size=128, intermediate_size=256), preset("NVFP4A16"), tmp_path / "m",
               options={"mse": "yes"})
     assert not (tmp_path / "m").exists()
+
+
+def test_the_searchs_e2m1_rounding_is_as_far_as_the_encoders_everywhere_ties_included():
+    y = torch.cat([torch.linspace(-8, 8, 20001), torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0, 7.0])])
+    exact = (e2m1.decode(e2m1.encode(y)) - y).abs()
+    assert torch.equal((scale_search.e2m1_magnitude(y) - y.abs()).abs(), exact)
