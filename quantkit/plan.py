@@ -19,7 +19,7 @@ from quantkit.scheme_presets import SchemePreset
 
 # a checkpoint's recipe.yaml (quantkit.run_recipe) adds quantkit, source, gguf_type, output and resolved
 RECIPE_KEYS = {"method", "format", "scheme", "options", "calibration", "quantkit", "source", "gguf_type", "output",
-               "resolved"}
+               "resolved", "kv_cache_scheme"}
 CALIBRATION_KEYS = {"dataset", "num_samples", "seq_len", "seed", "chat_template", "batch_size", "moe_calibration",
                     "moe_min_tokens"}
 CALIBRATION_DEFAULTS = {"dataset": "lee", "num_samples": 128, "seq_len": 512, "seed": 0, "chat_template": False,
@@ -206,7 +206,8 @@ def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = Non
     elif preset is None or not preset.float_grid:
         _check_format(recipe, format_name)
     replay = replay_of(rec, str(recipe_file), calibration or {}, flags_given) if rec else None
-    kv_cache = _kv_cache(kv_cache_scheme, format_name, preset)
+    kv_cache = _kv_cache(kv_cache_scheme if kv_cache_scheme is not None else rec.get("kv_cache_scheme"), format_name,
+                         preset)
     return QuantizePlan(recipe=recipe, scheme=quant_scheme, format=format_name, gguf_type=gguf_type, preset=preset,
                         replay=replay, kv_cache=kv_cache,
                         calibration=_calibration(recipe, rec.get("calibration") or {}, calibration or {},

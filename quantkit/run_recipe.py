@@ -126,6 +126,8 @@ class ResolvedRun:
         if p.gguf_type is not None:
             out["gguf_type"] = p.gguf_type
         out["scheme"] = preset.name if preset is not None and preset.float_grid else scheme_dict(p.scheme)
+        if getattr(p, "kv_cache", None) is not None:  # --kv-cache-scheme (only when given: older recipes unchanged)
+            out["kv_cache_scheme"] = p.kv_cache.name
         out["options"] = non_default_options(p.recipe)
         out["calibration"] = self._calibration()
         out["output"] = {"dtype": self.dtype, "max_shard_size": self.max_shard_size}

@@ -237,3 +237,19 @@ def test_cli_refuses_kv_scheme_on_the_integer_writer_in_one_line(tiny_llama_dir,
         err = capsys.readouterr().err
         assert exc.value.code == 2 and reason in err and err.count("\n") == 1
         assert not (tmp_path / "x").exists()
+
+
+def test_recipe_yaml_records_the_kv_cache_scheme_and_replays_to_the_same_bytes(tiny_llama_dir, tmp_path):
+    import hashlib
+
+    import quantkit
+    import yaml
+
+    def shas(folder):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+    quantkit.quantize(str(tiny_llama_dir), scheme="FP8_DYNAMIC", kv_cache_scheme="fp8", dataset="lee", num_samples=2,
+                      seq_len=16, output=tmp_path / "first", progress=False)
+    assert yaml.safe_load((tmp_path / "first" / "recipe.yaml").read_text())["kv_cache_scheme"] == "fp8"
+    quantkit.quantize(recipe=str(tmp_path / "first" / "recipe.yaml"), output=tmp_path / "again", progress=False)
+    assert shas(tmp_path / "again") == shas(tmp_path / "first")
