@@ -9,7 +9,8 @@ token ids (quantkit's own pipeline, `lee`, seed 0, written once to WORKDIR/calib
   llmc rtn       llm-compressor's QuantizationModifier(scheme=PRESET)   (scripts/llmcompressor_peer.py)
   llmc gptq      llm-compressor's GPTQModifier(scheme=PRESET), dampening 0.01, block 128, its default act-order
 each in its own subprocess; "seconds" is the quantization call alone (model loading excluded) for both tools,
-"cpu_s" the whole child's CPU seconds (load included; less sensitive to a busy machine than wall time).
+"cpu_seconds" that call's CPU time (all threads; far less inflated than wall time by a busy machine), "cpu_s" the
+whole child's (load and save included).
 quantkit's rows take options (`--quantkit-options JSON`, or per row: "quantkit rtn mse=false" is RTN on the
 absmax scales, without the range search of `float_codecs.scale_search`).
 Every checkpoint is scored by `quantkit eval --baseline MODEL` on held-out `lee` and `wiki` windows (the
@@ -45,12 +46,12 @@ def quantize_with_quantkit(model_folder: str, preset_name: str, method: str, cal
 
     model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
     ids = load_file(calib_ids)["input_ids"]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     write(model, preset(preset_name), output, method=method, calibration=ids if method == "gptq" else None,
           options=options or None)
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     AutoTokenizer.from_pretrained(model_folder).save_pretrained(output)
-    print(json.dumps({"seconds": round(seconds, 2)}))
+    print(json.dumps({"seconds": round(seconds, 2), "cpu_seconds": round(cpu_seconds, 2)}))
 
 
 def weight_errors(model_name: str, presets: list[str]) -> None:
@@ -131,7 +132,7 @@ def main() -> None:
             result, wall = run(cmd)
             # cpu_s: the child's user + sys seconds (model load included), which a busy machine inflates far less
             row = {"preset": name, "row": " ".join([tool, method, *extra]), "path": str(out), "seconds": result["seconds"],
-                   "cpu_s": result["_cpu_s"]}
+                   "cpu_seconds": result.get("cpu_seconds"), "cpu_s": result["_cpu_s"]}
             if tool == "quantkit":
                 row["options"] = options
             for dataset, windows in (("lee", args.lee_windows), ("wiki", args.wiki_windows)):
