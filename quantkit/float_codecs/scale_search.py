@@ -55,7 +55,8 @@ def e2m1_magnitude(y: torch.Tensor) -> torch.Tensor:
     ops, for the search's error only: at an exact tie it may take the other neighbour than `e2m1.encode`'s
     ties-to-even, which is as far away, so every error (and the scale chosen) is the same."""
     a = y.abs().clamp(max=6.0)
-    return torch.where(a < 2, torch.round(a * 2) / 2, torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2))
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return torch.round(a / step).mul_(step)
 
 
 def lowest_error(x: torch.Tensor, steps: torch.Tensor, round_to_grid: Callable[[torch.Tensor], torch.Tensor],
@@ -65,11 +66,28 @@ def lowest_error(x: torch.Tensor, steps: torch.Tensor, round_to_grid: Callable[[
     value of y (E4M3, saturating; or `e2m1_magnitude`, with x the magnitudes); `reduce_dims` the dims of x
     one region spans. The first minimum wins, so candidate 0 (the absmax scale) is kept on a tie. The reduced
     dims are kept (size 1)."""
-    errors = []
-    for step in steps:
-        d = round_to_grid(x / step).mul_(step).sub_(x)
-        errors.append(d.square_().sum(dim=reduce_dims, keepdim=True))
-    return torch.stack(errors).argmin(dim=0)
+    dims = tuple(d % x.ndim for d in reduce_dims)
+    if 0 in dims:  # one region spans the first dim (FP8 per tensor): a candidate at a time
+        errors = [_squared_error(x, step, round_to_grid, dims) for step in steps]
+        return torch.stack(errors).argmin(dim=0)
+    # every candidate at once ([T, rows, ...]: few, large ops, which a busy machine schedules far better than
+    # many small ones), a slab of rows at a time so that the temporaries stay near CANDIDATE_CHUNK_ELEMENTS
+    t = steps.shape[0]
+    rows = max(1, CANDIDATE_CHUNK_ELEMENTS // max(1, t * x[0].numel()))
+    out = []
+    for r0 in range(0, x.shape[0], rows):
+        xs = x[r0:r0 + rows]
+        st = steps[:, r0:r0 + rows] if steps.shape[1] > 1 else steps
+        out.append(_squared_error(xs.unsqueeze(0), st, round_to_grid, tuple(d + 1 for d in dims)).argmin(dim=0))
+    return torch.cat(out)
+
+
+CANDIDATE_CHUNK_ELEMENTS = 1 << 24  # 64 MB of float32 per temporary
+
+
+def _squared_error(x: torch.Tensor, step: torch.Tensor, round_to_grid, dims: tuple[int, ...]) -> torch.Tensor:
+    d = round_to_grid(x / step).mul_(step).sub_(x)
+    return d.square_().sum(dim=dims, keepdim=True)
 
 
 def take(candidates: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
