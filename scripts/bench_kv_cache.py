@@ -19,9 +19,10 @@ decode), and compared with the same forward over unquantized K/V:
 
 --engine-windows N adds a cross-check through the engine itself: N windows of --engine-len tokens,
 teacher-forced through LLMEngine decode (one token of prefill, then every K/V read from the paged cache),
-KL against the model-dtype engine, for int8, fp8 dynamic and fp8 calibrated per head.
+KL against the model-dtype engine, for int8, fp8 dynamic and fp8 with the checkpoint's scales.
 
     python scripts/bench_kv_cache.py [--windows 16] [--num-samples 64] [--seq-len 512] [--engine-windows 2]
+                                     [--checkpoint FOLDER]   # score a folder already written
 """
 from __future__ import annotations
 
@@ -79,6 +80,9 @@ def score(model, windows: torch.Tensor, fns: dict, batch: int) -> dict[str, tupl
             x = windows[s:s + batch]
             ref = model(input_ids=x, use_cache=False).logits
             for name, fn in fns.items():
+                if name == "model dtype":  # the reference itself
+                    per_window[name].extend([0.0] * x.shape[0])
+                    continue
                 with tap_kv_states(model, fn):
                     out = model(input_ids=x, use_cache=False).logits
                 per_window[name].extend(kl_per_token(ref, out).mean(-1).tolist())
@@ -120,7 +124,7 @@ def engine_kl(model, windows: torch.Tensor) -> dict[str, float]:
     for row in windows:
         ref, _ = run("auto", row)
         for label, kv, static in (("int8 dynamic", "int8", True), ("fp8 dynamic", "fp8", False),
-                                  ("fp8 calib. / head", "fp8", True)):
+                                  ("fp8 calibrated", "fp8", True)):
             logits, name = run(kv, row, static)
             out.setdefault(f"{label} [{name}]", []).append(float(kl_per_token(ref[None], logits[None]).mean()))
     return {k: sum(v) / len(v) for k, v in out.items()}
@@ -135,6 +139,8 @@ def main() -> None:
     ap.add_argument("--engine-windows", type=int, default=2)
     ap.add_argument("--engine-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--checkpoint", default=None, help="score this folder (written with --kv-cache-scheme) instead of "
+                                                      "writing one; a per-tensor scheme has no per-head row")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -144,19 +150,35 @@ def main() -> None:
     from quantkit.runtime.loader import load_tokenizer
     from quantkit.scoring import windows_of
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "demo-fp8-kv"
-        t0 = time.perf_counter()
-        quantkit.quantize("demo", scheme="FP8_DYNAMIC", kv_cache_scheme="fp8-head", dataset="lee",
-                          num_samples=args.num_samples, seq_len=args.seq_len, output=out, progress=False)
-        t_quant = time.perf_counter() - t0
-        model = quantkit.load(str(out))
-        tok = load_tokenizer(str(out))
+    if args.checkpoint:
+        model, tok = quantkit.load(args.checkpoint), load_tokenizer(args.checkpoint)
+        import json
+
+        recipe = (Path(args.checkpoint) / "recipe.yaml").read_text()
+        scheme = json.loads((Path(args.checkpoint) / "config.json").read_text())["quantization_config"]
+        print(f"checkpoint: {args.checkpoint} (kv_cache_scheme strategy {scheme['kv_cache_scheme']['strategy']}); "
+              f"its recipe.yaml:\n" + "\n".join("  " + line for line in recipe.splitlines()
+                                                if line.split(":")[0].strip() in ("scheme", "kv_cache_scheme",
+                                                                                   "dataset", "num_samples", "seq_len")))
+        per_head = scheme["kv_cache_scheme"]["strategy"] == "attn_head"
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "demo-fp8-kv"
+            t0 = time.perf_counter()
+            quantkit.quantize("demo", scheme="FP8_DYNAMIC", kv_cache_scheme="fp8-head", dataset="lee",
+                              num_samples=args.num_samples, seq_len=args.seq_len, output=out, progress=False)
+            t_quant = time.perf_counter() - t0
+            model = quantkit.load(str(out))
+            tok = load_tokenizer(str(out))
+        print(f"checkpoint: demo, FP8_DYNAMIC weights + kv_cache_scheme fp8-head calibrated on {args.num_samples} x "
+              f"{args.seq_len} lee tokens ({t_quant:.0f} s incl. calibration)")
+        per_head = True
     k_scales, v_scales = model.kv_cache_scales
-    print(f"checkpoint: demo, FP8_DYNAMIC weights + kv_cache_scheme fp8-head calibrated on {args.num_samples} x "
-          f"{args.seq_len} lee tokens ({t_quant:.0f} s incl. calibration); scales k {float(k_scales.min()):.3g}.."
-          f"{float(k_scales.max()):.3g}, v {float(v_scales.min()):.3g}..{float(v_scales.max()):.3g}")
+    print(f"scales k {float(k_scales.min()):.3g}..{float(k_scales.max()):.3g}, "
+          f"v {float(v_scales.min()):.3g}..{float(v_scales.max()):.3g}")
     fns = modes(k_scales, v_scales)
+    if not per_head:
+        del fns["fp8 calib. / head"]
     results = {}
     for corpus in ("lee", "wiki"):
         w = windows_of(eval_token_stream(corpus, tok, "eval", max_tokens=args.windows * args.seq_len + 1),
@@ -179,7 +201,8 @@ def main() -> None:
               f"{time.perf_counter() - t0:.0f} s): mean KL to the model-dtype engine")
         for name, kl in res.items():
             print(f"  {name:<40}{kl:.5f}")
-        sub = score(model, w, {k: fns[k] for k in ("int8 dynamic", "fp8 dynamic", "fp8 calib. / head")}, args.batch)
+        calibrated = "fp8 calib. / head" if per_head else "fp8 calibrated"
+        sub = score(model, w, {k: fns[k] for k in ("int8 dynamic", "fp8 dynamic", calibrated)}, args.batch)
         print("  the same windows through the fake-quantized forward: " +
               ", ".join(f"{k} {v[0]:.5f}" for k, v in sub.items()))
 
