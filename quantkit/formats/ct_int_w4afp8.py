@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.formats import ct_w4afp8
 from quantkit.formats.ct_tensor_checks import take
 from quantkit.scheme_presets import QuantArgs
 
@@ -32,13 +33,9 @@ class IntWeight:
 
 
 def can_store(weights: QuantArgs) -> tuple[bool, str]:
-    """Whether this layout holds weights quantized as `weights`, and if not, why (one line)."""
-    if weights.kind != "int" or not 2 <= weights.bits <= 8:
-        return False, f"{FORMAT} holds 2..8-bit integer weights, not {weights.kind} {weights.bits}-bit"
-    if weights.strategy not in ("group", "channel") or not weights.symmetric:
-        return False, (f"{FORMAT} is read for symmetric integer weights per group or channel, not "
-                       f"{'symmetric' if weights.symmetric else 'asymmetric'} per {weights.strategy}")
-    return True, ""
+    """Whether this layout holds weights quantized as `weights`, and if not, why (one line): the same weights
+    as quantkit's own pack-quantized W4AFP8, so its declaration serves both."""
+    return ct_w4afp8.can_store(weights, FORMAT)
 
 
 def packed_shapes(shape: tuple[int, int], weights: QuantArgs) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

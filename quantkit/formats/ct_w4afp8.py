@@ -19,12 +19,13 @@ from quantkit.scheme_presets import QuantArgs
 FORMAT = compressed_tensors.FORMAT
 
 
-def can_store(weights: QuantArgs) -> tuple[bool, str]:
-    """Whether this layout stores weights quantized as `weights`, and if not, why (one line)."""
+def can_store(weights: QuantArgs, layout: str = FORMAT) -> tuple[bool, str]:
+    """Whether `layout` (this one, or llm-compressor's int-quantized W4AFP8, `ct_int_w4afp8`: both hold the
+    same weights) stores weights quantized as `weights`, and if not, why (one line)."""
     if weights.kind != "int" or not 2 <= weights.bits <= 8:
-        return False, f"{FORMAT} stores 2..8-bit integer weights, not {weights.kind} {weights.bits}-bit"
+        return False, f"{layout} stores 2..8-bit integer weights, not {weights.kind} {weights.bits}-bit"
     if weights.strategy not in ("group", "channel") or not weights.symmetric:
-        return False, (f"{FORMAT} under FP8 activations stores symmetric integer weights per group or channel, "
+        return False, (f"{layout} under FP8 activations stores symmetric integer weights per group or channel, "
                        f"not {'symmetric' if weights.symmetric else 'asymmetric'} per {weights.strategy}")
     return True, ""
 
