@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
+from quantkit.float_codecs import e4m3
 
-FP8_E4M3_MAX = 448.0
+FP8_E4M3_MAX = e4m3.MAX  # float_codecs' one constant
 # --kv-cache-scheme NAME -> compressed-tensors strategy
 KV_CACHE_SCHEMES = {"fp8": "tensor", "fp8-head": "attn_head"}
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")  # transformers 5.x, 4.5x, older

@@ -43,7 +43,7 @@ def _expand(scale: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     return scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:n, :k]
 
 
-def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+def scale_of_absmax(amax: torch.Tensor) -> torch.Tensor:
     """absmax / 448, a zero scale replaced by float32's eps.  The divisor is a tensor on amax's device:
     CUDA divides by a Python number as a multiplication by its reciprocal, one ulp off the true quotient
     (and off compressed-tensors') for some values."""
@@ -59,8 +59,8 @@ def _searched(x: torch.Tensor, amax: torch.Tensor, region_dims: tuple[int, ...])
     """The scale (shaped like `amax`, which broadcasts over x with the region's dims of size 1) among
     absmax / 448 times each clip ratio with the lowest squared E4M3 rounding error over its region."""
     ratios = torch.tensor(scale_search.FP8_CLIP_RATIOS, dtype=torch.float32, device=x.device)
-    candidates = _scale_of(amax.unsqueeze(0) * ratios.view(-1, *([1] * amax.ndim)))  # [T, *amax.shape]
-    candidates[0] = _scale_of(amax)  # candidate 0 is the absmax scale, computed exactly as without the search
+    candidates = scale_of_absmax(amax.unsqueeze(0) * ratios.view(-1, *([1] * amax.ndim)))  # [T, *amax.shape]
+    candidates[0] = scale_of_absmax(amax)  # candidate 0 is the absmax scale, computed exactly as without the search
 
     def nearest(y: torch.Tensor) -> torch.Tensor:
         return e4m3.to_e4m3(y).to(torch.float32)
@@ -81,11 +81,11 @@ def quantize(weight: torch.Tensor, strategy: str, block_size: Optional[tuple[int
     w = weight.to(torch.float32)
     if strategy == "tensor":
         scale = _searched(w, w.abs().amax().reshape(1, 1), (0, 1)).reshape(1) if search \
-            else _scale_of(w.abs().amax().reshape(1))
+            else scale_of_absmax(w.abs().amax().reshape(1))
         expanded = scale
     elif strategy == "channel":
         amax = w.abs().amax(dim=1, keepdim=True)
-        scale = _searched(w, amax, (1,)) if search else _scale_of(amax)
+        scale = _searched(w, amax, (1,)) if search else scale_of_absmax(amax)
         expanded = scale
     else:
         if block_size is None:
@@ -97,6 +97,6 @@ def quantize(weight: torch.Tensor, strategy: str, block_size: Optional[tuple[int
         blocks = padded.reshape(nb, rows, kb, cols)
         block_amax = blocks.abs().amax(dim=(1, 3))
         scale = _searched(blocks, block_amax.view(nb, 1, kb, 1), (1, 3)).view(nb, kb) if search \
-            else _scale_of(block_amax)
+            else scale_of_absmax(block_amax)
         expanded = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:n, :k]
     return Fp8Weight(e4m3.to_e4m3(w / expanded), scale, strategy, tuple(block_size) if block_size else None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.float_codecs import e4m3, nvfp4
+from quantkit.float_codecs import fp8, nvfp4
 from quantkit.scheme_presets import QuantArgs
 
 FP8_INPUT_SCALE = "input_scale"
@@ -32,9 +32,7 @@ def tensor_name(acts: QuantArgs) -> str | None:
 
 def fp8_input_scale(absmax: torch.Tensor) -> torch.Tensor:
     """absmax / 448 as float32 [1]; zero (a linear that saw only zeros) becomes float32's eps."""
-    amax = absmax.to(torch.float32).reshape(1)
-    scale = amax / torch.tensor(e4m3.MAX, dtype=torch.float32, device=amax.device)
-    return torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
+    return fp8.scale_of_absmax(absmax.to(torch.float32).reshape(1))  # the weights' rule, one place
 
 
 def nvfp4_input_global_scale(absmax: torch.Tensor) -> torch.Tensor:
