@@ -205,6 +205,7 @@ def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = Non
         raise QuantkitError("--gguf-type needs --format gguf")
     elif preset is None or not preset.float_grid:
         _check_format(recipe, format_name)
+    _check_sym_range(recipe, quant_scheme, format_name)
     replay = replay_of(rec, str(recipe_file), calibration or {}, flags_given) if rec else None
     kv_cache = _kv_cache(kv_cache_scheme if kv_cache_scheme is not None else rec.get("kv_cache_scheme"), format_name,
                          preset)
@@ -303,6 +304,22 @@ def _check_float_preset(p: SchemePreset, recipe: Recipe, options: Optional[dict]
         raise QuantkitError(f"GPTQ on --scheme {p.name}'s float grid takes only {', '.join(FloatGPTQ.options_spec)}; "
                             f"drop {', '.join(unknown)}")
     layout_of(p)  # the format's own refusal, with its reason
+
+
+def _check_sym_range(recipe: Recipe, scheme: QuantScheme, format_name: str) -> None:
+    """`sym_range` places a symmetric integer grid; asked for on an asymmetric scheme or GGUF's fixed block
+    grids it would change nothing, so it is refused rather than silently ignored."""
+    from quantkit.run_recipe import non_default_options
+
+    asked = non_default_options(recipe).get("sym_range")
+    if asked is None:
+        return
+    if format_name == "gguf":
+        raise QuantkitError(f"sym_range={asked} has no effect on GGUF, whose types fix their own grids; drop "
+                            "the sym_range option (or choose --gguf-type Q4_0 for llama.cpp's full-range grid)")
+    if not scheme.sym:
+        raise QuantkitError(f"sym_range={asked} places a symmetric grid, but the scheme is asymmetric; add --sym "
+                            "or drop the sym_range option")
 
 
 def _gguf_type(recipe: Recipe, scheme: QuantScheme, gguf_type: Optional[str]) -> str:

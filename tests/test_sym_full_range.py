@@ -88,6 +88,21 @@ def test_unknown_sym_range_is_one_line():
         GPTQQuantizer(sym_range="wide")
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (dict(method="gptq", sym=False), "asymmetric; add --sym"),
+    (dict(method="awq"), "asymmetric; add --sym"),          # AWQ's default scheme has a zero point
+    (dict(method="rtn", format="gguf"), "no effect on GGUF"),
+])
+def test_sym_range_where_it_cannot_apply_is_refused(flags, needle):
+    """Asked for on an asymmetric scheme or GGUF's fixed grids it would change nothing: one line, not silence."""
+    from quantkit.plan import resolve_plan
+
+    with pytest.raises(QuantkitError, match=needle) as e:
+        resolve_plan(options={"sym_range": "full"}, **flags)
+    assert "\n" not in str(e.value)
+    resolve_plan(method="gptq", options={"sym_range": "full"})  # the symmetric default takes it
+
+
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors", "awq"])
 def test_negative_scales_round_trip_every_layout(fmt):
     qw = rtn_quantize(weights(64, 128, seed=5), 4, 32, True, mse=True, sym_range="full")
