@@ -184,6 +184,7 @@ def quantize(
         _on_rank0(comm, lambda: _check_output(output, overwrite, resume, source_ref))
     output = Path(output)
     plan, input_ids, cal_batch = _calibration_set(plan, hf_model, tokenizer, comm)
+    kv_scales = _integer_kv_scales(plan, hf_model, input_ids, cal_batch, layer_source, comm, progress)
     resolved = _resolved_run(args, plan, schemes, cal_batch, experts, save_dtype,
                              allocation if allocated is not None else None)
     with writing_output(output, lambda: rough_checkpoint_bytes(hf_model, schemes, save_dtype), resume_hint=True):
@@ -197,7 +198,7 @@ def quantize(
             job["serving"] = serving
         with bounded_heap() if layer_source is not None else contextlib.nullcontext():  # scoped to this run
             moe = _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job, output, tokenizer,
-                                       base_name, save_dtype, shard_bytes, overwrite, resolved.to_yaml())
+                                       base_name, save_dtype, shard_bytes, overwrite, resolved.to_yaml(), kv_scales)
     if comm is not None:
         from quantkit.pipeline.distributed import leave_group
 
@@ -311,6 +312,18 @@ def _kv_cache_scales(plan, hf_model, input_ids, batch, progress):
     from quantkit.kv_calibration import calibrate_kv_scales
 
     return calibrate_kv_scales(hf_model, input_ids, plan.kv_cache, batch_size=batch or 8, progress=bool(progress))
+
+
+def _integer_kv_scales(plan, hf_model, input_ids, batch, layer_source, comm, progress):
+    """--kv-cache-scheme on the integer compressed-tensors writer: the scales observed on the source model
+    before the pipeline quantizes (and releases) its layers; a resumed run observes them again on the same
+    tokens, so they are the same. Needs the whole model in one process."""
+    if plan.kv_cache is None:
+        return None
+    if layer_source is not None or comm is not None:
+        raise QuantkitError("--kv-cache-scheme observes the whole model's keys and values in one process; drop "
+                            "--streaming / --nproc (or drop --kv-cache-scheme)")
+    return _kv_cache_scales(plan, hf_model, input_ids, batch, progress)
 
 
 def _allocation(args: dict, plan, schemes: dict, layer_source, comm, hf_model, save_dtype):
@@ -647,9 +660,9 @@ def _progress_store(output: Path, model: str, plan, save_dtype, batch_size, inpu
 
 def _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job: dict, output: Path, tokenizer,
                          base_name: str, save_dtype, max_shard_size: int, overwrite: bool,
-                         recipe_yaml: str) -> Optional[dict]:
+                         recipe_yaml: str, kv_scales=None) -> Optional[dict]:
     """Calibrate, then write the checkpoint (with `recipe_yaml` as recipe.yaml, inside the staging folder so
-    it lands with the rest); returns a MoE model's calibration report (None if dense)."""
+    it lands with the rest, and `kv_scales` if any); returns a MoE model's calibration report (None if dense)."""
     from quantkit.run_recipe import RECIPE_FILE
 
     from quantkit.checkpoint import write_checkpoint
@@ -675,7 +688,7 @@ def _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job: dict,
             write_checkpoint(output, hf_model, tokenizer, disk, adapter.layers_prefix(hf_model), plan.format,
                              plan.method_info(), plan.recipe.format_extra(), base_name, save_dtype, ignore_names,
                              max_shard_size=max_shard_size, overwrite=overwrite, rename=adapter.checkpoint_name,
-                             moe=moe, extra_files={RECIPE_FILE: recipe_yaml})
+                             moe=moe, extra_files={RECIPE_FILE: recipe_yaml}, kv_scales=kv_scales)
     except QuantkitError:
         if disk is not None and not disk.done_layers():
             shutil.rmtree(disk.folder, ignore_errors=True)  # nothing worth resuming: leave no trace

@@ -124,10 +124,13 @@ def write_checkpoint(
     rename=None,
     moe: Optional[dict[str, Any]] = None,
     extra_files: Optional[dict[str, str]] = None,
+    kv_scales=None,
 ) -> Path:
     """Write the checkpoint into the run's staging folder, drop the progress files, rename into place.
     `rename` maps layer tensor names to the family's checkpoint names; `moe` is a MoE run's report
-    (model card section and MOE_REPORT); `extra_files` {name: text} land with the rest (recipe.yaml)."""
+    (model card section and MOE_REPORT); `extra_files` {name: text} land with the rest (recipe.yaml);
+    `kv_scales` (quantkit.kv_calibration.KVScales, compressed-tensors only) adds the attention modules'
+    k_scale / v_scale tensors and the config's kv_cache_scheme."""
     output = Path(output)
     check_output_dir(output, overwrite)
     fmt = get_format(format_name)
@@ -135,9 +138,15 @@ def write_checkpoint(
     for stale in [p for p in stage.iterdir() if p.name not in (LAYER_DIR, RUN_FILE)]:
         shutil.rmtree(stale) if stale.is_dir() else stale.unlink()  # a crash during an earlier final write
     entries, specs = plan_tensors(model, store, layers_prefix, format_name, save_dtype, stage / PACKED_DIR, rename)
+    if kv_scales is not None:
+        entries.update(_kv_scale_entries(kv_scales, stage / PACKED_DIR, rename))
     _save_sharded(entries, model, save_dtype, stage, max_shard_size)
     shutil.rmtree(stage / PACKED_DIR)
     qcfg = fmt.quantization_config(specs, [rename(n) for n in ignore] if rename else ignore, format_extra)
+    if kv_scales is not None:
+        if "kv_cache_scheme" not in qcfg:  # checked where it is relied on; the plan already refuses other formats
+            raise QuantkitError(f"the {format_name} format has no kv_cache_scheme for the KV-cache scales")
+        qcfg["kv_cache_scheme"] = kv_scales.scheme.config()
     _save_config(model, stage, qcfg, save_dtype)
     if tokenizer is not None:
         tokenizer.save_pretrained(stage)
@@ -160,6 +169,17 @@ def write_checkpoint(
     normal_permissions(stage)
     replace_dir(stage, output)
     return output
+
+
+def _kv_scale_entries(kv_scales, scratch: Path, rename) -> dict[str, tuple[Path, torch.dtype, tuple[int, ...]]]:
+    """The KV-cache scale tensors saved beside the packed layers, as `plan_tensors` entries (float32, as
+    compressed-tensors and vLLM keep them; never cast to the checkpoint's dtype)."""
+    from safetensors.torch import save_file
+
+    tensors = kv_scales.tensors(rename or (lambda name: name))
+    path = scratch / "kv-cache-scales.safetensors"
+    save_file(tensors, str(path))
+    return {key: (path, t.dtype, tuple(t.shape)) for key, t in tensors.items()}
 
 
 def _save_sharded(entries: dict[str, tuple[Optional[Path], torch.dtype, tuple[int, ...]]], model,
@@ -360,6 +380,10 @@ def model_card(base_model: str, format_name: str, method: dict[str, Any], qcfg: 
         f"- activations: {_activations_line(specs)}",
         f"- quantized linears: {len(specs)}",
     ]
+    kv = qcfg.get("kv_cache_scheme")
+    if kv:  # --kv-cache-scheme: static FP8 scales vLLM uses with --kv-cache-dtype fp8
+        lines.append(f"- KV cache: FP8 (e4m3) with calibrated static scales per {kv.get('strategy')} "
+                     "(`k_scale` / `v_scale`; serve with `--kv-cache-dtype fp8`)")
     for k, v in method.items():
         if k != "method":
             lines.append(f"- {k}: `{v}`")

@@ -218,7 +218,7 @@ def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = Non
 
 def _kv_cache(name: Optional[str], format_name: str, preset: Optional[SchemePreset]):
     """--kv-cache-scheme as a KVCacheScheme; only compressed-tensors declares KV-cache scales (its
-    kv_cache_scheme), so the other formats refuse it, and so far only the float presets' writer writes them."""
+    kv_cache_scheme), so the other formats refuse it."""
     from quantkit.kv_calibration import parse_kv_cache_scheme
 
     kv = parse_kv_cache_scheme(name)
@@ -226,10 +226,6 @@ def _kv_cache(name: Optional[str], format_name: str, preset: Optional[SchemePres
         raise QuantkitError(f"--kv-cache-scheme: the {format_name} format has no place for KV-cache scales (vLLM reads "
                             "them from a compressed-tensors kv_cache_scheme); use --format compressed-tensors or drop "
                             "--kv-cache-scheme")
-    if kv is not None and (preset is None or not preset.float_grid):
-        raise QuantkitError("--kv-cache-scheme is written with the float presets so far (--scheme FP8_DYNAMIC, "
-                            "FP8_BLOCK, NVFP4A16, ...); the integer compressed-tensors writer does not carry it yet: "
-                            "choose a float --scheme or drop --kv-cache-scheme")
     return kv
 
 

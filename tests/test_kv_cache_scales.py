@@ -226,10 +226,10 @@ def test_formats_that_cannot_carry_kv_scales_refuse(flags, reason):
     assert resolve_plan(None, scheme="FP8_DYNAMIC", kv_cache_scheme="fp8").kv_cache.strategy == "tensor"
 
 
-def test_cli_refuses_kv_scheme_on_the_integer_writer_in_one_line(tiny_llama_dir, tmp_path, capsys):
+def test_cli_refuses_kv_scheme_where_it_cannot_be_written_in_one_line(tiny_llama_dir, tmp_path, capsys):
     from quantkit.cli import main
 
-    for args, reason in ((["--format", "compressed-tensors"], "integer compressed-tensors writer does not carry it"),
+    for args, reason in ((["--format", "compressed-tensors", "--streaming"], "drop --streaming / --nproc"),
                          (["--method", "gptq"], "the gptq format has no place for KV-cache scales")):
         with pytest.raises(SystemExit) as exc:
             main(["quantize", "--model", str(tiny_llama_dir), "--kv-cache-scheme", "fp8", *args,
@@ -237,6 +237,46 @@ def test_cli_refuses_kv_scheme_on_the_integer_writer_in_one_line(tiny_llama_dir,
         err = capsys.readouterr().err
         assert exc.value.code == 2 and reason in err and err.count("\n") == 1
         assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("method, scheme", [("rtn", "fp8-head"), ("gptq", "fp8")])
+def test_integer_compressed_tensors_writer_carries_kv_scales(tiny_llama_dir, tmp_path, method, scheme):
+    """W4A16 (the integer compressed-tensors writer, RTN and GPTQ) with --kv-cache-scheme: the scales are the
+    source model's on the run's tokens (observed before any layer is quantized), the config validates as
+    compressed-tensors' with its kv_cache_scheme, quantkit.load hands them to the engine, and the quantized
+    weights are byte for byte those of the same run without KV scales."""
+    pytest.importorskip("compressed_tensors")
+    import quantkit
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    ids = torch.randint(3, 49152, (4, 32), generator=torch.Generator().manual_seed(5))
+    run = dict(method=method, format="compressed-tensors", bits=4, group_size=32, dataset=ids, progress=False)
+    quantkit.quantize(str(tiny_llama_dir), kv_cache_scheme=scheme, output=tmp_path / "kv", **run)
+    if method == "rtn":
+        run = {k: v for k, v in run.items() if k != "dataset"}  # RTN without KV scales reads no data
+    quantkit.quantize(str(tiny_llama_dir), output=tmp_path / "plain", **run)
+    want = calibrate_kv_scales(transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir), ids,
+                               parse_kv_cache_scheme(scheme))
+    stored, plain = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("kv", "plain"))
+    kv_keys = {k for k in stored if k.endswith(("k_scale", "v_scale"))}
+    assert kv_keys == {f"model.layers.{i}.self_attn.{k}_scale" for i in range(2) for k in "kv"}
+    for i in range(2):
+        for kind in "kv":
+            t = stored[f"model.layers.{i}.self_attn.{kind}_scale"]
+            mine = getattr(want, kind)[i]
+            assert t.dtype == torch.float32
+            assert torch.equal(t.flatten(), mine if scheme == "fp8-head" else mine.amax().reshape(1))
+    assert stored.keys() - kv_keys == plain.keys()
+    assert all(torch.equal(stored[k], plain[k]) for k in plain)
+    qcfg = json.loads((tmp_path / "kv" / "config.json").read_text())["quantization_config"]
+    kv = QuantizationConfig.model_validate(qcfg).kv_cache_scheme
+    assert (kv.num_bits, kv.type, kv.dynamic, kv.strategy) == \
+        (8, "float", False, "tensor" if scheme == "fp8" else "attn_head")
+    assert "KV cache: FP8" in (tmp_path / "kv" / "README.md").read_text()
+    loaded = quantkit.load(str(tmp_path / "kv")).kv_cache_scales
+    torch.testing.assert_close(loaded[0], want.k if scheme == "fp8-head" else want.k.amax(1, keepdim=True)
+                               .expand_as(want.k))
 
 
 def test_recipe_yaml_records_the_kv_cache_scheme_and_replays_to_the_same_bytes(tiny_llama_dir, tmp_path):

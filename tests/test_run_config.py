@@ -298,7 +298,7 @@ def test_a_recipe_file_may_name_its_scheme(tmp_path):
     (dict(scheme="nvfp4a16", method="awq"), "written by --method rtn or gptq (AWQ and transforms on float grids"),
     (dict(scheme="nvfp4a16", method="gptq", options={"static_groups": False}), "float grid takes only damp_percent"),
     (dict(scheme="nvfp4a16", options={"mse": False}), "with round-to-nearest takes no method options"),
-    (dict(scheme="w4a16", kv_cache_scheme="fp8"), "the integer compressed-tensors writer does not carry it yet"),
+    (dict(scheme="w4a16", kv_cache_scheme="int8"), "--kv-cache-scheme 'int8' is not a KV-cache scheme"),
     (dict(format="gptq", kv_cache_scheme="fp8"), "the gptq format has no place for KV-cache scales"),
     (dict(scheme="w8a8", method="gptq"), "quantizes activations; method 'gptq' does not"),
     (dict(scheme="nope"), "unknown scheme 'nope'; choose one of"),

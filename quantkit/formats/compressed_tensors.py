@@ -312,7 +312,8 @@ def parse_quantization_config(qcfg: dict, linear_names: list[str],
     if status != "compressed":
         raise QuantkitError(f"compressed-tensors: quantization_status {status!r} is not supported "
                             "(only 'compressed' checkpoints hold packed weights)")
-    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+    # a kv_cache_scheme is read (and checked) by runtime.kv_scales.take_kv_scales, which every loader runs
+    for key in ("sparsity_config", "transform_config"):
         if qcfg.get(key):
             raise QuantkitError(f"compressed-tensors: {key} is not supported")
     groups = qcfg.get("config_groups")
