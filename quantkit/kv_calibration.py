@@ -28,9 +28,8 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.float_codecs import e4m3
+from quantkit.float_codecs import fp8
 
-FP8_E4M3_MAX = e4m3.MAX  # float_codecs' one constant
 # --kv-cache-scheme NAME -> compressed-tensors strategy
 KV_CACHE_SCHEMES = {"fp8": "tensor", "fp8-head": "attn_head"}
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")  # transformers 5.x, 4.5x, older
@@ -191,6 +190,6 @@ def calibrate_kv_scales(model: nn.Module, input_ids: torch.Tensor, scheme: KVCac
     if input_ids is None:
         raise QuantkitError("--kv-cache-scheme needs calibration tokens; give --dataset (default lee)")
     kmax, vmax, names = observe_kv_absmax(model, input_ids, batch_size, progress)
-    tiny = torch.finfo(torch.float32).tiny  # an all-zero head: any positive scale is exact; vLLM wants > 0
-    return KVScales(k=(kmax / FP8_E4M3_MAX).clamp_min(tiny), v=(vmax / FP8_E4M3_MAX).clamp_min(tiny),
-                    modules=tuple(names), scheme=scheme)
+    # absmax / 448 as the FP8 weights' and inputs' scales are; an all-zero head gets their eps (any positive
+    # scale is exact for zeros; vLLM wants > 0)
+    return KVScales(k=fp8.scale_of_absmax(kmax), v=fp8.scale_of_absmax(vmax), modules=tuple(names), scheme=scheme)
