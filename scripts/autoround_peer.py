@@ -44,6 +44,19 @@ def saved_scheme(folder: Path) -> dict:
     return {k: qc.get(k) for k in keys if k in qc}
 
 
+def flatten_saved(out: Path) -> None:
+    """auto-round 0.16.1's immediate-saving mode writes into OUTPUT/<model>-w<bits>g<group>/, not OUTPUT: move
+    that one folder's files up, so OUTPUT is the checkpoint as with earlier versions."""
+    if (out / "config.json").is_file():
+        return
+    inner = [d for d in out.iterdir() if d.is_dir() and (d / "config.json").is_file()]
+    if len(inner) != 1:
+        raise SystemExit(f"auto-round saved no checkpoint folder in {out} (found {[d.name for d in inner]})")
+    for f in inner[0].iterdir():
+        f.rename(out / f.name)
+    inner[0].rmdir()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF model folder")
@@ -79,6 +92,7 @@ def main() -> None:
                         nsamples=num_samples, seqlen=seq_len, batch_size=args.batch_size, device_map="cpu")
     rounder.quantize_and_save(output_dir=str(out), format="auto_gptq")
     seconds = time.perf_counter() - t0
+    flatten_saved(out)
     print(json.dumps({"seconds": round(seconds, 2), "total_seconds": round(time.perf_counter() - t_total, 2),
                       "peak_rss_mb": round(peak_rss_mb(), 1), "version": auto_round.__version__,
                       "method": "signround", "iters": args.iters, "scheme": saved_scheme(out),
