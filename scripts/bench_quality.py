@@ -163,6 +163,11 @@ def print_paired(rows: list[dict], against: str) -> None:
         print(f"  {r['row']:20} " + "; ".join(parts))
 
 
+def _n(value) -> str:
+    """A time or memory column: '-' where a row has none (a row whose peer run was recovered by hand)."""
+    return f"{'-':>7}" if value is None else f"{value:7.0f}"
+
+
 def print_table(rows: list[dict]) -> None:
     ref = next((r for r in rows if r["row"] == REFERENCE_ROW), None)
     print(f"{'row':20} {'KL lee':>7} {'p99':>6} {'top1':>6} {'ppl lee':>8} {'KL wiki':>7} {'p99':>6} {'top1':>6} "
@@ -173,7 +178,7 @@ def print_table(rows: list[dict]) -> None:
                if ref else "-")
         print(f"{r['row']:20} {lee['kl_mean']:7.4f} {lee['kl_p99']:6.2f} {lee['top1_agreement']:6.3f} "
               f"{lee['perplexity']:8.3f} {wiki['kl_mean']:7.4f} {wiki['kl_p99']:6.2f} {wiki['top1_agreement']:6.3f} "
-              f"{wiki['perplexity']:8.3f} {rel:>11} {r['process_s']:7.0f} {r['cpu_s']:7.0f} {r['peak_rss_mb']:7.0f}"
+              f"{wiki['perplexity']:8.3f} {rel:>11} {_n(r['process_s'])} {_n(r['cpu_s'])} {_n(r['peak_rss_mb'])}"
               f"{'  * ' + r['measured_at'] if r.get('reused') else ''}")
     base = rows[0]
     print(f"original model: perplexity lee {base['lee']['baseline_perplexity']:.3f} over {base['lee']['tokens']} tokens, "
@@ -211,6 +216,7 @@ def main() -> None:
     t0 = time.perf_counter()
     rows = quantize_rows(args, work, calib_ids, peer_folder)
     score_rows(args, rows)
+    (work / "scores.json").write_text(json.dumps({"rows": rows}))  # kept whatever the printing below does
     print(f"calibration: {args.num_samples} x {args.seq_len} Lee tokens, seed 0, identical ids for every tool; "
           f"scheme w4g64 symmetric unless the row says asym; scored with --backend {args.backend}; "
           f"{time.perf_counter() - t0:.0f} s in all")
