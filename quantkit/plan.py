@@ -205,7 +205,7 @@ def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = Non
         raise QuantkitError("--gguf-type needs --format gguf")
     elif preset is None or not preset.float_grid:
         _check_format(recipe, format_name)
-    _check_sym_range(recipe, quant_scheme, format_name)
+    _check_sym_range(options or {}, quant_scheme, format_name)
     replay = replay_of(rec, str(recipe_file), calibration or {}, flags_given) if rec else None
     kv_cache = _kv_cache(kv_cache_scheme if kv_cache_scheme is not None else rec.get("kv_cache_scheme"), format_name,
                          preset)
@@ -302,12 +302,11 @@ def _check_float_preset(p: SchemePreset, recipe: Recipe, options: Optional[dict]
     layout_of(p)  # the format's own refusal, with its reason
 
 
-def _check_sym_range(recipe: Recipe, scheme: QuantScheme, format_name: str) -> None:
-    """`sym_range` places a symmetric integer grid; asked for on an asymmetric scheme or GGUF's fixed block
-    grids it would change nothing, so it is refused rather than silently ignored."""
-    from quantkit.run_recipe import non_default_options
-
-    asked = non_default_options(recipe).get("sym_range")
+def _check_sym_range(options: dict, scheme: QuantScheme, format_name: str) -> None:
+    """`sym_range` places a symmetric integer grid; asked for (--option / options=) on an asymmetric scheme or
+    GGUF's fixed block grids it would change nothing, so it is refused rather than silently ignored. A recipe's
+    own setting is not refused: `--recipe best-w4 --asym` keeps the recipe's other options."""
+    asked = options.get("sym_range")
     if asked is None:
         return
     if format_name == "gguf":
