@@ -207,8 +207,7 @@ def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = Non
         _check_format(recipe, format_name)
     _check_sym_range(options or {}, quant_scheme, format_name)
     replay = replay_of(rec, str(recipe_file), calibration or {}, flags_given) if rec else None
-    kv_cache = _kv_cache(kv_cache_scheme if kv_cache_scheme is not None else rec.get("kv_cache_scheme"), format_name,
-                         preset)
+    kv_cache = _kv_cache(kv_cache_scheme if kv_cache_scheme is not None else rec.get("kv_cache_scheme"), format_name)
     return QuantizePlan(recipe=recipe, scheme=quant_scheme, format=format_name, gguf_type=gguf_type, preset=preset,
                         replay=replay, kv_cache=kv_cache,
                         calibration=_calibration(recipe, rec.get("calibration") or {}, calibration or {},
@@ -216,7 +215,7 @@ def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = Non
                                                  or kv_cache is not None))
 
 
-def _kv_cache(name: Optional[str], format_name: str, preset: Optional[SchemePreset]):
+def _kv_cache(name: Optional[str], format_name: str):
     """--kv-cache-scheme as a KVCacheScheme; only compressed-tensors declares KV-cache scales (its
     kv_cache_scheme), so the other formats refuse it."""
     from quantkit.kv_calibration import parse_kv_cache_scheme
