@@ -30,6 +30,8 @@ from bench_quantize import quantkit_cli, run, write_calibration_ids  # noqa: E40
 
 from quantkit.scoring import stderr  # noqa: E402
 
+_AUTOROUND_RULE = ["--option", "sym_range=full", "--option", "mse=false", "--option", "scale_range=[0.5,1.0]",
+                   "--option", "step_dtype=bfloat16"]
 # quantkit rows: name -> quantize flags (beyond model, bits, group size, calibration)
 QUANTKIT_ROWS = {
     "rtn": ["--method", "rtn"],
@@ -41,6 +43,12 @@ QUANTKIT_ROWS = {
     # the same on auto-round's full-range symmetric grid (signed absmax/8: quantizers.grid.SYM_RANGES)
     "gptq full": ["--method", "gptq", "--option", "sym_range=full"],
     "best full": ["--recipe", "best-w4", "--option", "sym_range=full"],
+    # auto-round's own rule in quantkit: sign-gradient rounding from round-to-nearest on the full-range
+    # grid (no range search), group scales only shrinking (auto-round's min/max factors are at most 1),
+    # bf16 steps as auto-round's CPU default; light = 50 steps per layer, as auto-round's light setting
+    "signround light": ["--method", "rtn,signround", *_AUTOROUND_RULE, "--option", "iters=50"],
+    "signround 100": ["--method", "rtn,signround", *_AUTOROUND_RULE, "--option", "iters=100"],
+    "signround": ["--method", "rtn,signround", *_AUTOROUND_RULE, "--option", "iters=200"],
 }
 ASYM_QUANTKIT_ROWS = {"gptq asym": ["--method", "gptq", "--asym"], "awq asym": ["--method", "awq", "--asym",
                                                                                 "--format", "gptq"]}

@@ -108,11 +108,30 @@ def test_it_lowers_the_layer_output_error_on_held_out_rows_against_its_gptq_star
     assert log["held_out_best"] < log["held_out_start"]
 
 
+def test_auto_rounds_rule_from_round_to_nearest_with_bf16_steps_lowers_the_error_on_fresh_rows():
+    """auto-round's own rule (full-range grid, no range search, shrink-only group scales, signed steps
+    of 1/iters from round-to-nearest) with the steps' forward/backward in bf16 (auto-round's CPU
+    default): layer 0's error on sequences outside the calibration set falls below round-to-nearest's,
+    and the held-out loss that picks the state kept is still the full-precision one (it equals
+    transformers' fp32 forward of the kept weights)."""
+    rule = dict(sym_range="full", mse=False, scale_range=[0.5, 1.0], iters=40, eval_every=4)
+    recipe, tuned, _, ids = _quantize("rtn,signround", {**rule, "step_dtype": "bfloat16"}, n=64, seq=64)
+    _, rtn, _, _ = _quantize("rtn", {"sym_range": "full", "mse": False}, n=64, seq=64)
+    fresh = torch.randint(2, 256, (32, 64), generator=torch.Generator().manual_seed(7))
+    before, after = _layer0_error(rtn, fresh), _layer0_error(tuned, fresh)
+    assert after < 0.9 * before, (before, after)
+    log = recipe.refiners[0].log[0]
+    assert log["held_out_start"] == pytest.approx(_layer0_error(rtn, ids[HELD_OUT]), rel=1e-4)
+    assert log["held_out_best"] == pytest.approx(_layer0_error(tuned, ids[HELD_OUT]), rel=1e-4)
+
+
 def test_options_are_checked_with_one_line():
     with pytest.raises(QuantkitError, match="multiple of 8"):
         SignRoundRefiner(samples_per_step=6)
     with pytest.raises(QuantkitError, match="scale_range"):
         SignRoundRefiner(scale_range=[1.1, 1.2])
+    with pytest.raises(QuantkitError, match="step_dtype must be one of float32, bfloat16"):
+        SignRoundRefiner(step_dtype="fp16")
     with pytest.raises(QuantkitError, match="weight quantizer"):
         build_recipe("signround", {})
     with pytest.raises(QuantkitError, match="num-samples 16"):

@@ -42,6 +42,9 @@ class LayerContext:
     # transforms, which are exact in full precision) and the unquantized model's inputs of this layer
     reference_layer: Optional[nn.Module] = None
     reference_inputs: Optional[list] = None
+    # for refiners: reference_layer's outputs on reference_inputs (the pipeline runs it once, after the
+    # quantizer: the refiner's targets are the next layer's reference inputs)
+    reference_outputs: Optional[list] = None
     # a MoE layer's experts while it is calibrated (quantkit.pipeline.experts.LayerExperts), else None
     experts: Any = None
     # where `inputs` sit in the whole calibration set (data-parallel ranks hold a share of it): every

@@ -26,6 +26,9 @@ its own training batch, the state kept is the one with the lowest loss on sequen
 the steps (`holdout_per_shard` of every shard of the calibration set), the start included: the
 layer never ends worse than the quantizer left it on those rows.
 
+`step_dtype: bfloat16` runs the steps' forward/backward under bf16 autocast (auto-round's CPU default,
+about 1.75x faster on CPUs with bf16 units); the held-out evaluation stays in the compute dtype.
+
 Determinism and data parallelism: the calibration set's fixed shards (quantkit.reduction's leaves)
 each give `samples_per_step / LEAVES` sequences to every step, in a fixed rotation; each shard's
 gradient (with respect to the layer's dequantized weights) comes from its own forward/backward and
@@ -46,6 +49,7 @@ from quantkit.quantizers.base import LayerContext, Refiner, register_step
 from quantkit.reduction import LEAVES, SampleLayout
 
 SCALE_DTYPE = torch.float16  # the storage dtype of scales (quantkit.quantizers.grid's convention)
+STEP_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # None: no autocast
 START_WITHIN = 0.499  # |offset inside the bin| at the start: strictly inside, so the start rounds to q - z
 
 
@@ -146,6 +150,10 @@ class SignRoundRefiner(Refiner):
         # position 1/2 from a boundary must be able to cross it); a code moves at most one step either way
         "offset_range": None,
         "scale_range": [0.8, 1.25],  # bounds of the per-group scale factor a; [1, 1] keeps the scales
+        # the dtype of the steps' forward/backward passes (autocast): "bfloat16" is auto-round's CPU
+        # default and about 1.75x faster on CPUs with bf16 units; the held-out evaluation that picks the
+        # state kept stays in the pipeline's compute dtype
+        "step_dtype": "float32",
     }
 
     def __init__(self, **options):
@@ -166,6 +174,9 @@ class SignRoundRefiner(Refiner):
         if o["start_position"] not in ("rtn", "centre", "rounded"):
             raise QuantkitError(f"signround option start_position must be rounded, rtn or centre, got {o['start_position']!r}")
         self.needs_rounded_weights = o["start_position"] == "rounded"  # the recipe reads it
+        if o["step_dtype"] not in STEP_DTYPES:
+            raise QuantkitError(f"signround option step_dtype must be one of {', '.join(STEP_DTYPES)}, "
+                                f"got {o['step_dtype']!r}")
         rng = o["scale_range"]
         if (not isinstance(rng, (list, tuple)) or len(rng) != 2
                 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in rng)
@@ -188,7 +199,7 @@ class SignRoundRefiner(Refiner):
         if ctx.experts is not None:
             raise QuantkitError("signround does not tune MoE layers (their routing differs between the quantized "
                                 "and unquantized streams); drop it from the recipe for this model")
-        if ctx.reference_layer is None or ctx.reference_inputs is None or ctx.samples is None:
+        if ctx.reference_layer is None or ctx.reference_outputs is None or ctx.samples is None:
             raise QuantkitError("signround needs the unquantized layer and its inputs; the pipeline gave none")
         if int(self.options["iters"]) == 0:
             return results
@@ -228,9 +239,7 @@ class _LayerRun:
             self.shards.append(([(a + w * m, a + (w + 1) * m) for w in range(train // m)], (a + train, b)))
         self.batches = layout.batches
         # the unquantized layer's outputs on the unquantized inputs: the targets
-        with torch.no_grad():
-            self.targets = [layer_output(ctx.reference_layer(to_device(h, device).to(compute_dtype),
-                                                             **to_device(kw, device))) for h, kw in ctx.reference_inputs]
+        self.targets = [to_device(out, device) for out in ctx.reference_outputs]
 
     def pieces(self, start: int, stop: int):
         """Global sequences [start, stop) as (batch index, first row, last row) of this rank's batches."""
@@ -241,12 +250,15 @@ class _LayerRun:
                 out.append((k, lo - a, hi - a))
         return out
 
-    def piece_loss(self, weights: dict[str, torch.Tensor], k: int, lo: int, hi: int) -> torch.Tensor:
+    def piece_loss(self, weights: dict[str, torch.Tensor], k: int, lo: int, hi: int,
+                   autocast: torch.dtype | None = None) -> torch.Tensor:
         hidden, kwargs = self.ctx.inputs[k]
         n, seq = hidden.shape[0], hidden.shape[1] if hidden.dim() > 2 else 1
         x = to_device(hidden[lo:hi], self.device).to(self.dtype)
         kw = to_device(slice_rows(kwargs, lo, hi, n, seq), self.device)
-        out = layer_output(torch.func.functional_call(self.ctx.layer, weights, (x,), kw))
+        device_type = torch.device(self.device).type
+        with torch.autocast(device_type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            out = layer_output(torch.func.functional_call(self.ctx.layer, weights, (x,), kw))
         return (out.float() - self.targets[k][lo:hi].float()).pow(2).sum()
 
     @torch.no_grad()
@@ -322,7 +334,7 @@ class _LayerRun:
             shard = None
             for k, lo, hi in self.pieces(a, b):
                 with torch.enable_grad():
-                    loss = self.piece_loss(weights, k, lo, hi)
+                    loss = self.piece_loss(weights, k, lo, hi, STEP_DTYPES[self.step.options["step_dtype"]])
                     grads = torch.autograd.grad(loss, leaves)
                 flat = torch.cat([g.reshape(-1) for g in grads])
                 shard = flat if shard is None else shard.add_(flat)
