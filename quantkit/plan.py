@@ -323,6 +323,10 @@ def _gguf_type(recipe: Recipe, scheme: QuantScheme, gguf_type: Optional[str]) ->
 
     if not recipe.quantizer.supports_grids:
         raise QuantkitError(f"method {recipe.name!r} cannot quantize onto GGUF's block grids; use --method gptq or rtn")
+    unfit = [s.name for s in recipe.refiners if not s.supports_grids]
+    if unfit:
+        raise QuantkitError(f"{', '.join(unfit)} tunes integer grids with a zero point, not GGUF's block grids; drop it "
+                            "from the method for GGUF output (for --recipe best-w4: --recipe gptaq-w4)")
     if recipe.quantizes_activations:
         raise QuantkitError(f"method {recipe.name!r} quantizes activations (W8A8), which GGUF cannot store; "
                             "use --format compressed-tensors")

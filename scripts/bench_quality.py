@@ -37,17 +37,18 @@ QUANTKIT_ROWS = {
     "rtn": ["--method", "rtn"],
     "gptq": ["--method", "gptq"],
     "awq": ["--method", "awq", "--sym", "--format", "gptq"],  # AWQ defaults to a zero point: the sym row says so
+    # the KL-best recipe: auto-round's rule (below) at 100 steps per layer (configs/best-w4.yaml)
     "best": ["--recipe", "best-w4"],
-    # best-w4 then sign-gradient rounding of each layer (configs/best-w4-signround.yaml)
-    "best signround": ["--recipe", "best-w4-signround"],
-    # the same on auto-round's full-range symmetric grid (signed absmax/8: quantizers.grid.SYM_RANGES)
+    # GPTQ + GPTAQ on the full-range grid (configs/gptaq-w4.yaml, best-w4 until 2026-12-06), then with
+    # small sign-gradient steps from its solution (configs/gptaq-w4-signround.yaml)
+    "gptaq": ["--recipe", "gptaq-w4"],
+    "gptaq signround": ["--recipe", "gptaq-w4-signround"],
+    # plain GPTQ on auto-round's full-range symmetric grid (signed absmax/8: quantizers.grid.SYM_RANGES)
     "gptq full": ["--method", "gptq", "--option", "sym_range=full"],
-    "best full": ["--recipe", "best-w4", "--option", "sym_range=full"],
     # auto-round's own rule in quantkit: sign-gradient rounding from round-to-nearest on the full-range
     # grid (no range search), group scales only shrinking (auto-round's min/max factors are at most 1),
     # bf16 steps as auto-round's CPU default; light = 50 steps per layer, as auto-round's light setting
     "signround light": ["--method", "rtn,signround", *_AUTOROUND_RULE, "--option", "iters=50"],
-    "signround 100": ["--method", "rtn,signround", *_AUTOROUND_RULE, "--option", "iters=100"],
     "signround": ["--method", "rtn,signround", *_AUTOROUND_RULE, "--option", "iters=200"],
 }
 ASYM_QUANTKIT_ROWS = {"gptq asym": ["--method", "gptq", "--asym"], "awq asym": ["--method", "awq", "--asym",

@@ -125,6 +125,19 @@ def test_auto_rounds_rule_from_round_to_nearest_with_bf16_steps_lowers_the_error
     assert log["held_out_best"] == pytest.approx(_layer0_error(tuned, ids[HELD_OUT]), rel=1e-4)
 
 
+def test_gguf_output_with_a_refiner_is_refused_at_plan_time_naming_the_recipe_that_can():
+    """best-w4 (signround) cannot write GGUF's block grids: refused before any calibration, in one line that
+    names gptaq-w4, which can."""
+    from quantkit.plan import resolve_plan
+
+    with pytest.raises(QuantkitError, match="gptaq-w4") as e:
+        resolve_plan(recipe_file="best-w4", format="gguf")
+    assert "\n" not in str(e.value)
+    with pytest.raises(QuantkitError, match="signround tunes integer grids"):
+        resolve_plan(method="gptq,signround", format="gguf")
+    assert resolve_plan(recipe_file="gptaq-w4", format="gguf").recipe.quantizer.options["gptaq"] is True
+
+
 def test_options_are_checked_with_one_line():
     with pytest.raises(QuantkitError, match="multiple of 8"):
         SignRoundRefiner(samples_per_step=6)

@@ -101,8 +101,10 @@ def test_sym_range_where_it_cannot_apply_is_refused(flags, needle):
         resolve_plan(options={"sym_range": "full"}, **flags)
     assert "\n" not in str(e.value)
     resolve_plan(method="gptq", options={"sym_range": "full"})  # the symmetric default takes it
-    # a recipe's own sym_range (best-w4: full) is not the user's request: --asym keeps the recipe's other options
-    assert resolve_plan(recipe_file="best-w4", sym=False).recipe.quantizer.options["gptaq"] is True
+    # a recipe's own sym_range (gptaq-w4, best-w4: full) is not the user's request: --asym keeps the recipe's
+    # other options
+    assert resolve_plan(recipe_file="gptaq-w4", sym=False).recipe.quantizer.options["gptaq"] is True
+    assert resolve_plan(recipe_file="best-w4", sym=False).recipe.refiners[0].options["iters"] == 100
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors", "awq"])
