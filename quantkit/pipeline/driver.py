@@ -124,16 +124,16 @@ class LayerByLayer:
         strategy = self.staged if strategy_needs_stages(layer, self.adapter) else self.strategy
         layer_results, outputs = strategy.quantize_layer(ctx, self.recipe, self.device_of(i), self.compute_dtype,
                                                           observe=self.recipe.needs_observe)
-        if ctx.reference_layer is not None:  # the unquantized stream's next inputs, and a refiner's targets
-            ctx.reference_outputs = run_layer(ctx.reference_layer, ctx.reference_inputs, self.device_of(i),
-                                              self.compute_dtype, self.activation_device)
+        if ctx.reference_layer is not None:  # the unquantized stream moves on (a refiner's targets); its inputs are done
+            self.reference = ctx.reference_outputs = run_layer(ctx.reference_layer, ctx.reference_inputs,
+                                                               self.device_of(i), self.compute_dtype,
+                                                               self.activation_device)
+            ctx.reference_inputs = None
         if self.recipe.refiners:  # the layer's weights improved together; its outputs are then run anew
             layer_results = self.recipe.refine_layer(ctx, layer_results, self.device_of(i), self.compute_dtype)
             outputs = None
         self.advance(i, outputs if float_outputs is None else float_outputs)
-        if ctx.reference_layer is not None:
-            self.reference = ctx.reference_outputs
-            ctx.reference_layer = ctx.reference_inputs = ctx.reference_outputs = None
+        ctx.reference_layer = ctx.reference_outputs = None
         self.recipe.end_layer(ctx)
         if experts is not None:
             self.layer_stats[i] = {"experts": experts.stats(), "uncalibrated_method": self.recipe.uncalibrated_method}

@@ -240,6 +240,8 @@ class _LayerRun:
         self.batches = layout.batches
         # the unquantized layer's outputs on the unquantized inputs: the targets
         self.targets = [to_device(out, device) for out in ctx.reference_outputs]
+        self.device_type = torch.device(device).type
+        self.step_autocast = STEP_DTYPES[o["step_dtype"]]  # the steps' autocast dtype; None: none
 
     def pieces(self, start: int, stop: int):
         """Global sequences [start, stop) as (batch index, first row, last row) of this rank's batches."""
@@ -256,8 +258,7 @@ class _LayerRun:
         n, seq = hidden.shape[0], hidden.shape[1] if hidden.dim() > 2 else 1
         x = to_device(hidden[lo:hi], self.device).to(self.dtype)
         kw = to_device(slice_rows(kwargs, lo, hi, n, seq), self.device)
-        device_type = torch.device(self.device).type
-        with torch.autocast(device_type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        with torch.autocast(self.device_type, dtype=autocast, enabled=autocast is not None):
             out = layer_output(torch.func.functional_call(self.ctx.layer, weights, (x,), kw))
         return (out.float() - self.targets[k][lo:hi].float()).pow(2).sum()
 
@@ -334,7 +335,7 @@ class _LayerRun:
             shard = None
             for k, lo, hi in self.pieces(a, b):
                 with torch.enable_grad():
-                    loss = self.piece_loss(weights, k, lo, hi, STEP_DTYPES[self.step.options["step_dtype"]])
+                    loss = self.piece_loss(weights, k, lo, hi, self.step_autocast)
                     grads = torch.autograd.grad(loss, leaves)
                 flat = torch.cat([g.reshape(-1) for g in grads])
                 shard = flat if shard is None else shard.add_(flat)
