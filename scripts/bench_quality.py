@@ -81,6 +81,7 @@ def quantize_rows(args, work: Path, calib_ids: Path, peer_folder: str) -> list[d
         out = work / name.replace(" ", "-")
         if _reused(args, out, rows):
             continue
+        _forget_scores(out)
         summary, wall = run(quantkit_cli("quantize", "--model", args.model, "--bits", "4", "--group-size", "64",
                                          *(calibration if _calibrates(qk_rows[name]) else []), *qk_rows[name],
                                          "--output", str(out), "--overwrite", "--json"))
@@ -99,6 +100,7 @@ def quantize_rows(args, work: Path, calib_ids: Path, peer_folder: str) -> list[d
         out = work / name.replace(" ", "-")
         if _reused(args, out, rows):
             continue
+        _forget_scores(out)  # the peers' scripts write into the folder without emptying it
         env = {"GPTQMODEL_CPU_WORKERS": str(os.cpu_count() or 2)} if tool == "gptqmodel" else None
         summary, wall = run([pythons[tool], str(HERE / script), "--method", method, "--model", peer_folder, "--bits", "4",
                              "--group-size", "64", "--calib-ids", str(calib_ids), "--output", str(out), *extra], env=env)
@@ -132,19 +134,34 @@ def _reused(args, out: Path, rows: list[dict]) -> bool:
     return True
 
 
+def _forget_scores(out: Path) -> None:
+    """A row about to be quantized again loses the scores kept for its old checkpoint."""
+    for old in out.glob("bench_scores_*.json"):
+        old.unlink()
+
+
 def _selected(rows: dict, wanted) -> list[str]:
     return [r for r in rows if not wanted or r in wanted]
 
 
 def score_rows(args, rows: list[dict]) -> None:
+    """Each row's scores on both texts. They are kept inside the row's checkpoint folder, keyed by the
+    baseline, text, windows and backend, so a --reuse run scores a reused row once (a row quantized
+    again replaces its folder, and with it the old scores)."""
     for row in rows:
         for dataset, windows in (("lee", args.lee_windows), ("wiki", args.wiki_windows)):
+            cache = Path(row["path"]) / (f"bench_scores_{args.model.replace('/', '_')}_{dataset}_"
+                                         f"{windows or 'all'}_{args.backend}.json")
+            if cache.is_file():
+                row[dataset] = json.loads(cache.read_text())
+                continue
             r, _ = run(quantkit_cli("eval", "--model", row["path"], "--baseline", args.model, "--dataset", dataset,
                                     "--backend", args.backend, "--json",
                                     *(["--max-windows", str(windows)] if windows else [])))
             row[dataset] = {k: r[k] for k in ("kl_mean", "kl_mean_stderr", "kl_p99", "top1_agreement", "perplexity",
                                               "baseline_perplexity", "ln_ppl_ratio_stderr", "tokens", "window_kl",
                                               "window_ln_ppl_ratio")}
+            cache.write_text(json.dumps(row[dataset]))
 
 
 def print_paired(rows: list[dict], against: str) -> None:
@@ -210,8 +227,8 @@ def main() -> None:
     ap.add_argument("--autoround-python", default=None, help="the venv python of scripts/autoround_peer.py")
     ap.add_argument("--workdir", default="/tmp/qk-quality")
     ap.add_argument("--reuse", action="store_true",
-                    help="rows already quantized in this workdir are scored again, not re-quantized (their time and "
-                         "RSS are those measured then, marked with *)")
+                    help="rows already quantized in this workdir are not re-quantized (their time and RSS are those "
+                         "measured then, marked with *) and their scores are read back where they were kept")
     ap.add_argument("--paired", default=None, metavar="ROW",
                     help="also print every row's KL and perplexity difference to this row, window by window, with "
                          "its paired standard error")
