@@ -34,7 +34,8 @@ CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
 def convert(src: Union[str, Path], format: str, output: Union[str, Path], gguf_type: Optional[str] = None,
             overwrite: bool = False) -> dict[str, Any]:
     """Re-pack `src` as `format` ("gptq", "awq", "compressed-tensors" or "gguf") into `output`."""
-    from quantkit.runtime.loader import experts_as_linears, read_config, resolve_checkpoint, safetensors_files
+    from quantkit.model_files import safetensors_files
+    from quantkit.runtime.loader import experts_as_linears, read_config, resolve_checkpoint
 
     target = str(format).lower().replace("_", "-")
     if target not in (*FORMATS, "gguf"):  # before the checkpoint is read: the message is about the format

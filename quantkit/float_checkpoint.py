@@ -27,6 +27,7 @@ from quantkit.float_codecs.fused_global_scale import shared_global_scales
 from quantkit.formats import compressed_tensors, ct_float_quantized, ct_mxfp4, ct_nvfp4, ct_w4afp8
 from quantkit.formats.ct_float_layouts import LAYOUTS, args_from_config
 from quantkit.formats.registry import float_layout_for, get
+from quantkit.model_files import check_folder_links, safetensors_files
 from quantkit.qtensor import QuantizedWeight
 from quantkit.scheme_presets import QuantArgs, SchemePreset
 
@@ -312,11 +313,13 @@ def _save(out: Path, state: dict[str, torch.Tensor], config: dict) -> None:
 def read_dequantized(folder: os.PathLike) -> dict[str, torch.Tensor]:
     """{module name: float32 weight} of a single-group compressed-tensors float checkpoint in `folder`
     (float-quantized, nvfp4-pack-quantized, mxfp4-pack-quantized, or W4AFP8's pack-quantized), reading only
-    that folder's *.safetensors files (no pickle)."""
+    the safetensors files its index or `model.safetensors` names, each checked to stay inside the folder
+    (quantkit.model_files; no pickle)."""
     from safetensors.torch import load_file
 
     root = Path(folder)
     try:
+        check_folder_links(root)  # a linked config or weights file must not lead outside the folder
         qcfg = json.loads((root / "config.json").read_text())["quantization_config"]
     except (OSError, ValueError, KeyError) as exc:
         raise QuantkitError(f"{root} has no readable config.json with a quantization_config ({exc})") from None
@@ -332,7 +335,7 @@ def read_dequantized(folder: os.PathLike) -> dict[str, torch.Tensor]:
     if not ok:
         raise QuantkitError(f"quantization_config disagrees with itself: {reason}")
     tensors = {}
-    for path in sorted(root.glob("*.safetensors")):
+    for path in safetensors_files(root):
         try:
             tensors.update(load_file(str(path)))
         except Exception as exc:  # safetensors raises its own error type for a damaged file

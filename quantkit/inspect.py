@@ -12,9 +12,9 @@ def inspect_checkpoint(path: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from quantkit.formats import get_format
-    from quantkit.model_files import check_remote_code
+    from quantkit.model_files import check_remote_code, safetensors_files
     from quantkit.runtime.loader import (QUANT_METHOD_TO_FORMAT, experts_as_linears, quantized_specs, read_config,
-                                         resolve_checkpoint, safetensors_files, unquantized_config)
+                                         resolve_checkpoint, unquantized_config)
     from quantkit.sources import source_dtype
 
     folder = resolve_checkpoint(path)

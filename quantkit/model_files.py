@@ -97,6 +97,24 @@ def single_safetensors(folder: Path) -> Optional[Path]:
     return model_file(folder, SINGLE_FILE, "weights file")
 
 
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the index's shards or the single file, every name checked to
+    stay inside `folder` (never a glob, which would also pick up stray or planted files)."""
+    shards = safetensors_shards(folder)
+    if shards is not None:
+        files = sorted(set(shards.values()))
+        missing = [str(f.relative_to(folder)) for f in files if not f.is_file()]
+        if missing:
+            raise QuantkitError(f"{folder} is missing shard(s) {', '.join(missing)} listed in its index")
+        return files
+    single = single_safetensors(folder)
+    if single is not None:
+        return [single]
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")) or any(folder.glob("*.pth")):
+        raise QuantkitError(f"{folder} holds only pickle weights (.bin/.pt); quantkit loads safetensors only — convert them first")
+    raise QuantkitError(f"{folder} has no model.safetensors or model.safetensors.index.json")
+
+
 def check_remote_code(folder: Path, config: dict, trust_remote_code: bool, flag: Optional[str] = "--trust-remote-code") -> None:
     """Refuse a model that only the repository's own Python code can build (config.json's auto_map,
     a model_type transformers does not know) unless `trust_remote_code`: transformers would otherwise

@@ -177,3 +177,25 @@ def test_reader_refuses_a_damaged_safetensors_file(tmp_path):
     (tmp_path / "m" / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(QuantkitError, match="cannot read model.safetensors: .*damaged"):
         read_dequantized(tmp_path / "m")
+
+
+def test_reader_reads_only_the_files_the_folder_names_and_nothing_outside_it(tmp_path):
+    """A float checkpoint is untrusted input like any other: a planted *.safetensors beside the weights is
+    not read (it would overwrite the real tensors), and a file linked from outside the folder is refused."""
+    from safetensors.torch import save_file
+
+    from quantkit.float_checkpoint import read_dequantized
+
+    write(_tiny_llama(), preset("FP8_DYNAMIC"), tmp_path / "m")
+    before = read_dequantized(tmp_path / "m")
+    name = sorted(before)[0]
+    save_file({f"{name}.weight": torch.zeros(4, 4, dtype=torch.float8_e4m3fn),
+               f"{name}.weight_scale": torch.ones(4, 1)}, str(tmp_path / "m" / "zz-planted.safetensors"))
+    after = read_dequantized(tmp_path / "m")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    (tmp_path / "m" / "zz-planted.safetensors").unlink()
+    outside = tmp_path / "outside.safetensors"
+    (tmp_path / "m" / "model.safetensors").rename(outside)
+    (tmp_path / "m" / "model.safetensors").symlink_to(outside)
+    with pytest.raises(QuantkitError, match="outside the model folder"):
+        read_dequantized(tmp_path / "m")

@@ -18,7 +18,7 @@ from torch import nn
 
 from quantkit.errors import QuantkitError, first_line
 from quantkit.finite import require_finite
-from quantkit.model_files import check_folder_links, check_remote_code, model_file, safetensors_shards, single_safetensors
+from quantkit.model_files import check_folder_links, check_remote_code, model_file, safetensors_files
 
 QUANT_METHOD_TO_FORMAT = {"gptq": "gptq", "compressed-tensors": "compressed-tensors", "awq": "awq"}
 
@@ -61,23 +61,6 @@ def read_config(folder: Path) -> dict:
     if not isinstance(cfg, dict):
         raise QuantkitError(f"{cfg_file} must hold a JSON object")
     return cfg
-
-
-def safetensors_files(folder: Path) -> list[Path]:
-    """The checkpoint's safetensors files, every name checked to stay inside `folder` (quantkit.model_files)."""
-    shards = safetensors_shards(folder)
-    if shards is not None:
-        files = sorted(set(shards.values()))
-        missing = [str(f.relative_to(folder)) for f in files if not f.is_file()]
-        if missing:
-            raise QuantkitError(f"{folder} is missing shard(s) {', '.join(missing)} listed in its index")
-        return files
-    single = single_safetensors(folder)
-    if single is not None:
-        return [single]
-    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")) or any(folder.glob("*.pth")):
-        raise QuantkitError(f"{folder} holds only pickle weights (.bin/.pt); quantkit loads safetensors only — convert them first")
-    raise QuantkitError(f"{folder} has no model.safetensors or model.safetensors.index.json")
 
 
 def read_state_dict(files: list[Path], with_files: bool = False):
