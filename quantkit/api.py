@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import shutil
 import time
@@ -265,15 +266,13 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
     and renamed into place."""
     from quantkit import float_checkpoint
     from quantkit.checkpoint import replace_dir, staging_dir
+    from quantkit.float_card import float_model_card
     from quantkit.run_recipe import RECIPE_FILE, non_default_options
 
     p = plan.float_preset
     if layer_source is not None or comm is not None or args["target_bits"] is not None or args["target_size"]:
         raise QuantkitError(f"--scheme {p.name} is written from a model held in one process; drop --streaming, "
                             "--device-map, --nproc and --target-bits/--target-size")
-    if args["eval_after"]:
-        raise QuantkitError(f"--eval needs a model card, which --scheme {p.name}'s writer does not write yet; drop "
-                            "--eval and score the output with `quantkit eval --model OUTPUT --baseline SOURCE`")
     output = Path(args["output"]) if args["output"] is not None else \
         Path(f"{Path(base_name).name.lower()}-{plan.recipe.name}-{p.name.lower()}")
     _check_output(output, args["overwrite"], False, source_ref)
@@ -288,20 +287,27 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
         kv_scales = _kv_cache_scales(plan, hf_model, ids, batch, args["progress"])  # before GPTQ changes the model
         if kv_scales is not None and not plan.recipe.needs_calibration and not p.calibrates_activations:
             ids = None  # drawn for the KV-cache scales only
-        float_checkpoint.write(hf_model, p, folder, ignore=plan.scheme.ignore, method=plan.recipe.name,
-                               calibration=ids, options=non_default_options(plan.recipe),
-                               batch_size=batch or 8, progress=bool(args["progress"]), kv_scales=kv_scales)
+        written = float_checkpoint.write(hf_model, p, folder, ignore=plan.scheme.ignore, method=plan.recipe.name,
+                                         calibration=ids, options=non_default_options(plan.recipe),
+                                         batch_size=batch or 8, progress=bool(args["progress"]), kv_scales=kv_scales)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
+        qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
+        linears = len(written)
+        used = {k: v for k, v in plan.method_info().items() if k not in plan.recipe.describe() or k == "method"}
+        card_method = {**used, **non_default_options(plan.recipe)}  # the options the float writer took, not every default
+        (folder / "README.md").write_text(float_model_card(base_name, p, card_method, qcfg, linears))
         resolved = _resolved_run(args, plan, {}, batch, None, hf_model.dtype, None)
         (folder / RECIPE_FILE).write_text(resolved.to_yaml())
         replace_dir(folder, output)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    summary = {"output": str(output), "method": plan.recipe.name, "scheme": p.name, "format": "compressed-tensors",
-               "layout": float_checkpoint.layout_of(p), "seconds": round(time.perf_counter() - t0, 3),
-               "peak_rss_mb": _rss_mb()}
-    return QuantizeResult(output=output, plan=plan, metrics=None, summary=summary, resolved=resolved)
+    del hf_model  # --eval loads the written checkpoint instead
+    summarize = lambda metrics: {  # noqa: E731
+        "output": str(output), "method": plan.recipe.name, "scheme": p.name, "format": "compressed-tensors",
+        "layout": float_checkpoint.layout_of(p), "quantized_linears": linears,
+        "seconds": round(time.perf_counter() - t0, 3), "peak_rss_mb": _rss_mb(), **({"metrics": metrics} if metrics else {})}
+    return _finished(args, output, plan, resolved, summarize, {}, None)
 
 
 def _kv_cache_scales(plan, hf_model, input_ids, batch, progress):

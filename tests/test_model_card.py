@@ -139,3 +139,23 @@ def test_gguf_output_card_names_the_gguf_library(tiny_llama_dir, tmp_path):
     quantkit.quantize(str(tiny_llama_dir), "rtn", bits=4, group_size=32, format="gguf", output=out, progress=False)
     data = ModelCard.load(out / "README.md").data.to_dict()
     assert data["library_name"] == "gguf" and "gguf" in data["tags"]
+
+
+def test_float_preset_run_writes_a_card_that_names_its_grids_and_carries_eval(licensed_source, tmp_path):
+    """A --scheme run (compressed-tensors float layouts) gets a card like the integer writer's: Hub metadata
+    huggingface_hub parses, the preset's grids in words, what vLLM does with it, and with --eval the measured
+    figures, equal to scoring the folder afterwards."""
+    out = tmp_path / "nvfp4"
+    result = quantkit.quantize(str(licensed_source), "rtn", scheme="NVFP4A16", output=out, eval_after=True,
+                               progress=False)
+    card = ModelCard.load(out / "README.md")
+    data = card.data.to_dict()
+    assert data["tags"] == ["quantkit", "rtn", "compressed-tensors", "nvfp4a16"] and data["license"] == "mit"
+    assert "- scheme: `NVFP4A16` (format `nvfp4-pack-quantized`, quant_method `compressed-tensors`)" in card.text
+    assert "- weights: FP4 (E2M1), groups of 16 under a global scale, float8_e4m3fn scales" in card.text
+    assert "- input activations: not quantized (16-bit)" in card.text and "Marlin FP4" in card.text
+    assert f"- quantized linears: {result.summary['quantized_linears']};" in card.text
+    direct = quantkit.evaluate(out, baseline=str(licensed_source), dataset="lee")
+    by_type = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    assert by_type["kl_divergence"] == pytest.approx(direct["kl_mean"], abs=1e-5) and direct["kl_mean"] > 0
+    assert result.metrics["kl_mean"] == pytest.approx(direct["kl_mean"], rel=1e-6)
