@@ -293,10 +293,10 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
-        linears = len(written)
+        shapes = {name: tuple(w.shape) for name, w in written.items()}
         used = {k: v for k, v in plan.method_info().items() if k not in plan.recipe.describe() or k == "method"}
         card_method = {**used, **non_default_options(plan.recipe)}  # the options the float writer took, not every default
-        (folder / "README.md").write_text(float_model_card(base_name, p, card_method, qcfg, linears))
+        (folder / "README.md").write_text(float_model_card(base_name, p, card_method, qcfg, shapes))
         resolved = _resolved_run(args, plan, {}, batch, None, hf_model.dtype, None)
         (folder / RECIPE_FILE).write_text(resolved.to_yaml())
         replace_dir(folder, output)
@@ -305,7 +305,7 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
     del hf_model  # --eval loads the written checkpoint instead
     summarize = lambda metrics: {  # noqa: E731
         "output": str(output), "method": plan.recipe.name, "scheme": p.name, "format": "compressed-tensors",
-        "layout": float_checkpoint.layout_of(p), "quantized_linears": linears,
+        "layout": float_checkpoint.layout_of(p), "quantized_linears": len(shapes),
         "seconds": round(time.perf_counter() - t0, 3), "peak_rss_mb": _rss_mb(), **({"metrics": metrics} if metrics else {})}
     return _finished(args, output, plan, resolved, summarize, {}, None)
 

@@ -3,33 +3,19 @@
 Why a card of its own: the integer card is built from per-linear LinearSpecs (bits, group size, zero
 points); a float preset is one named compressed-tensors scheme for every linear, with an activation
 grid, and the loaders that run it differ by preset (vLLM's CPU build refuses most FP4 / static FP8
-layouts). The lines about loaders come from `SERVING`, which repeats what docs/support-matrix.md
-records as checked; measured quality is appended by `checkpoint.append_card_metrics` after --eval,
-as for the integer card.
+layouts). vLLM's line comes from `formats.loaders.vllm_float_refusal`, the rule the vLLM test tier
+holds to what vLLM does; measured quality is appended by `checkpoint.append_card_metrics` after
+--eval, as for the integer card.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from quantkit import __version__
 from quantkit.card_metadata import front_matter, is_hub_id, render_front_matter
 from quantkit.scheme_presets import QuantArgs, SchemePreset
 
-# preset -> what vLLM does with the folder, as docs/support-matrix.md records it (CPU build; GPU not checked)
-SERVING = {
-    "FP8_DYNAMIC": "vLLM (CPU build): loads the folder unmodified; prompt log-probs checked against quantkit's "
-                   "loader (tests/test_vllm.py)",
-    "FP8": "vLLM (CPU build): refuses it (no CPU op for static FP8 input scales); GPU builds not checked",
-    "FP8_BLOCK": "vLLM (CPU build): refuses it where an output size is not a multiple of 128 (other shapes and "
-                 "GPU builds not checked)",
-    "NVFP4A16": "vLLM (CPU build): refuses it (Marlin FP4 not available on CPU); GPU builds not checked",
-    "NVFP4": "vLLM (CPU build): refuses it (no NVFP4 kernel on CPU); GPU builds not checked",
-    "MXFP4A16": "vLLM (CPU build): refuses it (no MXFP4 kernel on CPU); GPU builds not checked",
-    "MXFP4": "vLLM (CPU build): refuses it (no MXFP4 kernel on CPU); GPU builds not checked",
-    "W4AFP8": "vLLM (CPU build): refuses it (its W4A8-FP8 kernel needs Hopper); GPU builds not checked",
-}
-NOT_CHECKED = "vLLM: not checked for this preset"
 OTHER_LOADERS = ["compressed-tensors' decompressor gives quantkit's weights (tests/test_float_checkpoint.py)",
                  "quantkit.load: reference dequantization on CPU (tests/test_float_runtime.py)"]
 
@@ -52,9 +38,13 @@ def describe(args: QuantArgs, activations: bool = False) -> str:
     return ", ".join(parts)
 
 
-def float_model_card(base_model: str, preset: SchemePreset, method: dict[str, Any], qcfg: dict, linears: int) -> str:
+def float_model_card(base_model: str, preset: SchemePreset, method: dict[str, Any], qcfg: dict,
+                     shapes: Mapping[str, tuple[int, int]]) -> str:
     """The card of a folder `quantkit.float_checkpoint.write` made from `base_model`; `method` is the plan's
-    method name, the calibration it read and the options given (not every default of the integer steps)."""
+    method name, the calibration it read and the options given (not every default of the integer steps);
+    `shapes` {linear: (out, in)} of the quantized linears."""
+    from quantkit.formats.loaders import VLLM, vllm_float_refusal
+
     name = str(method.get("method", "rtn"))
     tags = ["quantkit", name, "compressed-tensors", preset.name.lower()]
     front = render_front_matter(front_matter(base_model, tags, method.get("calibration"))).rstrip("\n")
@@ -67,7 +57,7 @@ def float_model_card(base_model: str, preset: SchemePreset, method: dict[str, An
              f"- scheme: `{preset.name}` (format `{qcfg.get('format')}`, quant_method `{qcfg.get('quant_method')}`)",
              f"- weights: {describe(preset.weights)}",
              f"- input activations: {activations}",
-             f"- quantized linears: {linears}; kept in full precision: {ignored}"]
+             f"- quantized linears: {len(shapes)}; kept in full precision: {ignored}"]
     kv = qcfg.get("kv_cache_scheme")
     if kv:
         lines.append(f"- KV cache: FP8 (e4m3) with calibrated static scales per {kv.get('strategy')} "
@@ -75,5 +65,8 @@ def float_model_card(base_model: str, preset: SchemePreset, method: dict[str, An
     lines += [f"- {k}: `{v}`" for k, v in method.items() if k != "method"]
     lines += ["", "## Use", "", "```python", "import quantkit", 'model = quantkit.load("PATH")', "```", "",
               "Loaders, as quantkit's support matrix (docs/support-matrix.md) found them for this preset:", ""]
-    lines += [f"- {line}" for line in [SERVING.get(preset.name, NOT_CHECKED), *OTHER_LOADERS]] + [""]
+    refusal = vllm_float_refusal(preset.name, shapes)
+    served = f"{VLLM}: " + (f"refuses it: {refusal}" if refusal else "loads the folder unmodified; prompt log-probs "
+                                                                        "checked against quantkit's loader (tests/test_vllm.py)")
+    lines += [f"- {line}" for line in [served, *OTHER_LOADERS]] + [""]
     return "\n".join([front, *lines])
