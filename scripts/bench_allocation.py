@@ -15,7 +15,7 @@ Printed: bits per weight and file bytes, measured KL on each text and their mean
 mixture's KL against the uniform default's.
 
     OMP_NUM_THREADS=2 nice -n 10 python scripts/bench_allocation.py --workdir /work/scratch/alloc48 \\
-        --candidates w2g64,w3g64,w3g32,w4g64,w4g32,w8pc --num-samples 16 --seq-len 256 \\
+        --candidates w2g64,w3g64,w3g32,w4pc,w4g64,w4g32,w8pc --num-samples 16 --seq-len 256 \\
         --sens-windows 2 --sens-seq-len 128 --eval-windows 4 --target-bits 3.0,2.5 --uniform w3g64,w2g64
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> int:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--method", default="gptq")
-    ap.add_argument("--candidates", default="w2g64,w3g64,w3g32,w4g64,w4g32,w8pc",
+    ap.add_argument("--candidates", default="w2g64,w3g64,w3g32,w4pc,w4g64,w4g32,w8pc",
                     help="candidate schemes per linear (bit widths or labels)")
     ap.add_argument("--num-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
