@@ -28,8 +28,9 @@ from quantkit.float_codecs.fp8 import Fp8Weight
 from quantkit.float_codecs.fused_global_scale import shared_global_scales
 from quantkit.float_codecs.nvfp4 import Nvfp4Weight
 from quantkit.quantizers.base import LayerContext, Quantizer
-from quantkit.quantizers.gptq_core import (HessianAccumulator, act_order_permutation, checked_float32_copies,
-                                           damped_inverse_cholesky, zero_dead_inputs_)
+from quantkit.quantizers.gptq_core import (CrossAccumulator, HessianAccumulator, act_order_permutation,
+                                           asymmetric_target, checked_float32_copies, damped_inverse_cholesky,
+                                           zero_dead_inputs_)
 from quantkit.scheme import LinearScheme
 from quantkit.scheme_presets import QuantArgs
 
@@ -112,7 +113,10 @@ class FloatGPTQ(Quantizer):
     calibration_stream = "quantized"
     # mse: round-to-nearest's range search picks the fixed scales (`float_codecs.scale_search`); None: the
     # format's default there
-    options_spec = {"damp_percent": 0.01, "block_size": 128, "desc_act": True, "true_sequential": True, "mse": None}
+    # gptaq: GPTQ towards the unquantized model's output from the quantized model's inputs, as the integer
+    # solver's option (`gptq_core.asymmetric_target`; the format's scales stay fixed from the original weight)
+    options_spec = {"damp_percent": 0.01, "block_size": 128, "desc_act": True, "true_sequential": True, "mse": None,
+                    "gptaq": False, "gptaq_alpha": 0.25}
 
     def __init__(self, weights: QuantArgs, **options):
         super().__init__(**options)
@@ -122,9 +126,16 @@ class FloatGPTQ(Quantizer):
             raise QuantkitError(f"block_size must be positive, got {self.options['block_size']}")
         if self.options["mse"] is not None and not isinstance(self.options["mse"], bool):
             raise QuantkitError(f"option mse={self.options['mse']!r} must be true or false")
+        if not isinstance(self.options["gptaq"], bool):
+            raise QuantkitError(f"option gptaq={self.options['gptaq']!r} must be true or false")
+        alpha = self.options["gptaq_alpha"]
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+            raise QuantkitError(f"gptaq_alpha must be a number in (0, 1], got {alpha!r}")
+        self.needs_reference_inputs = self.options["gptaq"]  # an instance attribute: the recipe reads it
         self.weights = weights
         self._hessians: dict[str, HessianAccumulator] = {}
-        self._last_input, self._last_acc = None, None
+        self._crosses: dict[str, CrossAccumulator] = {}
+        self._last_input, self._last_acc, self._last_cross = None, None, None
         self._stage_mates: dict[str, list[str]] = {}
         self._stacked: dict[str, FloatResult] = {}
         self._global_scales: dict[str, torch.Tensor] = {}
@@ -146,16 +157,26 @@ class FloatGPTQ(Quantizer):
         return bool(self.options["true_sequential"])
 
     def observe(self, name: str, module: nn.Module, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
-        if x is self._last_input:  # q/k/v (gate/up) read the same tensor: one Hessian for them
+        if x is self._last_input:  # q/k/v (gate/up) read the same tensor: one Hessian (and cross term) for them
             self._hessians.setdefault(name, self._last_acc)
             if self._hessians[name] is self._last_acc:
+                if self._last_cross is not None:
+                    self._crosses.setdefault(name, self._last_cross)
                 return
+        layout = self._ctx.row_layout(name) if self._ctx else None
         acc = self._hessians.get(name)
         if acc is None:
-            acc = self._hessians[name] = HessianAccumulator(module.in_features, device=x.device,
-                                                            layout=self._ctx.row_layout(name) if self._ctx else None)
+            acc = self._hessians[name] = HessianAccumulator(module.in_features, device=x.device, layout=layout)
         acc.add_batch(x)
-        self._last_input, self._last_acc = x, acc
+        cross = None
+        if self.needs_reference_inputs:
+            if reference is None:
+                raise QuantkitError(f"GPTAQ needs the unquantized model's input of {name}; the pipeline gave none")
+            cross = self._crosses.get(name)
+            if cross is None:
+                cross = self._crosses[name] = CrossAccumulator(module.in_features, layout)
+            cross.add_batch(x, reference)
+        self._last_input, self._last_acc, self._last_cross = x, acc, cross
 
     def _grid(self, name: str, weight: torch.Tensor) -> FixedFloatGrid:
         return fixed_grid(weight, self.weights, self._global_scales.get(name), search=self.options["mse"])
@@ -164,8 +185,9 @@ class FloatGPTQ(Quantizer):
         if name in self._stacked:
             return self._stacked.pop(name)
         acc = self._hessians.pop(name, None)
+        cross = self._crosses.pop(name, None)
         if acc is not None and acc is self._last_acc:
-            self._last_input = self._last_acc = None
+            self._last_input = self._last_acc = self._last_cross = None
         if acc is not None:
             acc.finish()
         if acc is None or acc.n_samples == 0:
@@ -177,12 +199,17 @@ class FloatGPTQ(Quantizer):
         linears = [(name, module)] + [(m, self._ctx.layer.get_submodule(m)) for m in mates]
         for m in mates:
             del self._hessians[m]
-        grids = [self._grid(n, lin.weight.data) for n, lin in linears]
+            self._crosses.pop(m, None)
+        grids = [self._grid(n, lin.weight.data) for n, lin in linears]  # the format's scales, from the original
         grid = grids[0] if len(grids) == 1 else FixedFloatGrid(grids[0].rtn, torch.cat([g.step for g in grids]))
         weight = torch.cat([lin.weight.data for _, lin in linears]).float()
         o = self.options
-        w_hat, stats = gptq_on_float_grid(weight, acc.hessian().to(weight.device), grid, int(o["block_size"]),
-                                          float(o["damp_percent"]), bool(o["desc_act"]))
+        H = acc.hessian().to(weight.device)
+        if cross is not None:  # GPTAQ: GPTQ on the target that reproduces the unquantized model's output
+            weight = asymmetric_target(weight, H, cross.cross().to(H.device), float(o["gptaq_alpha"]),
+                                       float(o["damp_percent"]))
+        w_hat, stats = gptq_on_float_grid(weight, H, grid, int(o["block_size"]), float(o["damp_percent"]),
+                                          bool(o["desc_act"]))
         start = 0
         for (n, lin), g in zip(linears, grids):
             rows = slice(start, start + lin.out_features)
@@ -203,13 +230,15 @@ class FloatGPTQ(Quantizer):
 
     def discard(self, name: str) -> None:
         acc = self._hessians.pop(name, None)
+        self._crosses.pop(name, None)
         self._stacked.pop(name, None)
         if acc is not None and acc is self._last_acc:
-            self._last_input = self._last_acc = None
+            self._last_input = self._last_acc = self._last_cross = None
 
     def end_layer(self, ctx: LayerContext) -> None:
         self._hessians.clear()
+        self._crosses.clear()
         self._stacked.clear()
         self._global_scales = {}
         self._ctx = None
-        self._last_input, self._last_acc = None, None
+        self._last_input, self._last_acc, self._last_cross = None, None, None
