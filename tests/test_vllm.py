@@ -186,7 +186,7 @@ def _vllm_venv_or_skip() -> Path:
 
 
 def _quantize(layout: Layout, out: Path, bases: dict[str, Path]) -> None:
-    if layout.float_preset is not None:  # not on the CLI yet (docs/float-schemes.md)
+    if layout.float_preset is not None:  # the writer `--scheme` runs, called directly on a bf16 model (as vLLM serves it)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from quantkit.float_checkpoint import write
