@@ -442,7 +442,7 @@ def test_driver_shares_one_hessian_per_input_and_it_equals_the_inputs_gram(batch
 
     class Spy(GPTQQuantizer):
         def quantize_linear(self, name, module, scheme):
-            for n, acc in self._hessians.items():  # k and v are solved with q, so grab all pending
+            for n, acc in self._stats.hessians.items():  # k and v are solved with q, so grab all pending
                 grabbed.setdefault(n, acc)
             return super().quantize_linear(name, module, scheme)
 
@@ -623,7 +623,7 @@ class _Staged(GPTQQuantizer):
 
     def quantize_linear(self, name, module, scheme):
         if name == "mlp.down_proj" and self.down_hessian is None:
-            self.down_hessian = self._hessians[name].hessian().clone()
+            self.down_hessian = self._stats.hessians[name].hessian().clone()
         return super().quantize_linear(name, module, scheme)
 
 

@@ -17,7 +17,8 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.formats.gguf.types import ggml_type
 from quantkit.quantizers.base import LayerContext, Quantizer, register_step
-from quantkit.quantizers.gptq_core import CrossAccumulator, HessianAccumulator, act_order_kind, asymmetric_target
+from quantkit.quantizers.gptq_core import (LayerInputStatistics, act_order_kind, asymmetric_target,
+                                           check_gptaq_alpha)
 from quantkit.quantizers.gptq_shares import SharedSolver
 from quantkit.quantizers.gguf_grid import choose_grid
 from quantkit.quantizers.grid import check_sym_range
@@ -60,13 +61,9 @@ class GPTQQuantizer(Quantizer):
         if int(o["block_size"]) < 1:
             raise QuantkitError(f"block_size must be positive, got {o['block_size']}")
         check_sym_range(o["sym_range"], "gptq option ")
-        alpha = o["gptaq_alpha"]
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
-            raise QuantkitError(f"gptaq_alpha must be a number in (0, 1], got {alpha!r}")
+        check_gptaq_alpha(o["gptaq_alpha"])
         self.needs_reference_inputs = bool(o["gptaq"])  # an instance attribute: the recipe reads it
-        self._hessians: dict[str, HessianAccumulator] = {}
-        self._crosses: dict[str, CrossAccumulator] = {}
-        self._last_input, self._last_acc, self._last_cross = None, None, None
+        self._stats = LayerInputStatistics(with_cross=self.needs_reference_inputs, offload=bool(o["offload_hessians"]))
         self._stage_mates: dict[str, list[str]] = {}
         self._stacked: dict[str, tuple] = {}  # results solved along with an earlier linear of the stage
         self._rounded: dict[str, torch.Tensor] = {}  # this layer's rounded_weight, when keep_rounded
@@ -88,37 +85,14 @@ class GPTQQuantizer(Quantizer):
         return bool(self.options["true_sequential"])  # the adapters' stages: q/k/v, o, gate/up, down
 
     def observe(self, name: str, module: nn.Module, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
-        # q/k/v (and gate/up) receive the very same input tensor: accumulate its Hessian once and share it
-        if x is self._last_input:
-            shared = self._hessians.setdefault(name, self._last_acc)
-            if shared is self._last_acc:
-                if self._last_cross is not None:
-                    self._crosses.setdefault(name, self._last_cross)
-                return
-        acc = self._hessians.get(name)
-        if acc is None:
-            acc = HessianAccumulator(module.in_features, device=x.device, offload=bool(self.options["offload_hessians"]),
-                                     layout=self._ctx.row_layout(name) if self._ctx is not None else None)
-            self._hessians[name] = acc
-        acc.add_batch(x)
-        cross = None
-        if self.needs_reference_inputs:
-            if reference is None:
-                raise QuantkitError(f"GPTAQ needs the unquantized model's input of {name}; the pipeline gave none")
-            cross = self._crosses.get(name)
-            if cross is None:
-                cross = self._crosses[name] = CrossAccumulator(module.in_features, self._ctx.row_layout(name) if self._ctx else None)
-            cross.add_batch(x, reference)
-        self._last_input, self._last_acc, self._last_cross = x, acc, cross
+        self._stats.observe(name, module.in_features, x, reference,
+                            self._ctx.row_layout(name) if self._ctx is not None else None)
 
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme):
         if name in self._stacked:
             qw, self.layer_stats[name] = self._stacked.pop(name)
             return qw
-        acc = self._hessians.pop(name, None)
-        cross = self._crosses.pop(name, None)
-        if acc is not None and acc is self._last_acc:  # its inputs are complete: let the tensor go
-            self._last_input = self._last_acc = self._last_cross = None
+        acc, cross = self._stats.pop(name)
         if acc is not None:
             acc.finish()  # counts over every rank, so every rank takes the same branch below
         if acc is not None and acc.n_samples == 0 and acc.n_dropped:
@@ -133,12 +107,11 @@ class GPTQQuantizer(Quantizer):
         # linears of this stage that share the Hessian and the scheme (q/k/v, gate/up) are solved as
         # one matrix: GPTQ treats every output row on its own given H, so the rows come out as from
         # separate solves, for one column loop instead of several (the loop is dispatch-bound)
-        mates = [m for m in self._stage_mates.get(name, ()) if self._hessians.get(m) is acc
+        mates = [m for m in self._stage_mates.get(name, ()) if self._stats.hessians.get(m) is acc
                  and self._ctx.schemes.get(m) == scheme]
         linears = [(name, module)] + [(m, self._ctx.layer.get_submodule(m)) for m in mates]
         for m in mates:
-            del self._hessians[m]
-            self._crosses.pop(m, None)
+            self._stats.pop(m)
         o = self.options
         weight = torch.cat([lin.weight.data for _, lin in linears]) if mates else module.weight.data
         H = acc.hessian().to(module.weight.device)
@@ -180,27 +153,22 @@ class GPTQQuantizer(Quantizer):
 
     def discard(self, name: str) -> None:
         self._rounded.pop(name, None)
-        acc = self._hessians.pop(name, None)
-        self._crosses.pop(name, None)
+        self._stats.pop(name)
         self._stacked.pop(name, None)
-        if acc is not None and acc is self._last_acc:
-            self._last_input = self._last_acc = self._last_cross = None
 
     def planned_spec(self, spec):
         order = act_order_kind(bool(self.options["desc_act"]), bool(self.options["static_groups"]), spec.group_size)
         return replace(spec, act_order=order)
 
     def end_layer(self, ctx: LayerContext) -> None:
-        if self._hessians:
-            warnings.warn(f"GPTQ: discarded unused Hessians for {sorted(self._hessians)}")
+        if self._stats.hessians:
+            warnings.warn(f"GPTQ: discarded unused Hessians for {sorted(self._stats.hessians)}")
         if self._stacked:
             warnings.warn(f"GPTQ: discarded results never asked for: {sorted(self._stacked)}")
-        self._hessians.clear()
-        self._crosses.clear()
+        self._stats.clear()
         self._stacked.clear()
         self._rounded.clear()
         self._ctx = None
-        self._last_input, self._last_acc, self._last_cross = None, None, None
 
     def format_extra(self) -> dict:
         o = self.options

@@ -212,6 +212,58 @@ class CrossAccumulator:
         return self._sum.total().mul(2.0 / n)
 
 
+class LayerInputStatistics:
+    """A decoder layer's GPTQ statistics per linear: the Hessian of its inputs and, for GPTAQ (`with_cross`),
+    the cross term with the same rows' inputs in the unquantized model. Linears fed the very same tensor
+    (q/k/v, gate/up) share one of each, accumulated once. The integer and the float-grid GPTQ steps keep
+    theirs here."""
+
+    def __init__(self, with_cross: bool = False, offload: bool = False):
+        self.with_cross, self.offload = with_cross, offload
+        self.hessians: dict[str, HessianAccumulator] = {}
+        self.crosses: dict[str, CrossAccumulator] = {}
+        self._last: tuple = (None, None, None)  # the last input tensor seen, its Hessian and cross term
+
+    def observe(self, name: str, in_features: int, x: torch.Tensor, reference: Optional[torch.Tensor],
+                layout: Optional[SampleLayout]) -> None:
+        last_x, last_acc, last_cross = self._last
+        if x is last_x and self.hessians.setdefault(name, last_acc) is last_acc:
+            if last_cross is not None:
+                self.crosses.setdefault(name, last_cross)
+            return
+        acc = self.hessians.get(name)
+        if acc is None:
+            acc = self.hessians[name] = HessianAccumulator(in_features, device=x.device, offload=self.offload,
+                                                           layout=layout)
+        acc.add_batch(x)
+        cross = None
+        if self.with_cross:
+            if reference is None:
+                raise QuantkitError(f"GPTAQ needs the unquantized model's input of {name}; the pipeline gave none")
+            cross = self.crosses.get(name)
+            if cross is None:
+                cross = self.crosses[name] = CrossAccumulator(in_features, layout)
+            cross.add_batch(x, reference)
+        self._last = (x, acc, cross)
+
+    def pop(self, name: str) -> tuple[Optional[HessianAccumulator], Optional[CrossAccumulator]]:
+        """`name`'s Hessian and cross term, no longer kept; the last input is let go with its Hessian."""
+        acc, cross = self.hessians.pop(name, None), self.crosses.pop(name, None)
+        if acc is not None and acc is self._last[1]:  # its inputs are complete: let the tensor go
+            self._last = (None, None, None)
+        return acc, cross
+
+    def clear(self) -> None:
+        self.hessians.clear()
+        self.crosses.clear()
+        self._last = (None, None, None)
+
+
+def check_gptaq_alpha(alpha) -> None:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+        raise QuantkitError(f"gptaq_alpha must be a number in (0, 1], got {alpha!r}")
+
+
 @torch.no_grad()
 def asymmetric_target(weight: torch.Tensor, H: torch.Tensor, D: torch.Tensor, alpha: float,
                       damp_percent: float) -> torch.Tensor:

@@ -28,8 +28,8 @@ from quantkit.float_codecs.fp8 import Fp8Weight
 from quantkit.float_codecs.fused_global_scale import shared_global_scales
 from quantkit.float_codecs.nvfp4 import Nvfp4Weight
 from quantkit.quantizers.base import LayerContext, Quantizer
-from quantkit.quantizers.gptq_core import (CrossAccumulator, HessianAccumulator, act_order_permutation,
-                                           asymmetric_target, checked_float32_copies, damped_inverse_cholesky,
+from quantkit.quantizers.gptq_core import (LayerInputStatistics, act_order_permutation, asymmetric_target,
+                                           check_gptaq_alpha, checked_float32_copies, damped_inverse_cholesky,
                                            zero_dead_inputs_)
 from quantkit.scheme import LinearScheme
 from quantkit.scheme_presets import QuantArgs
@@ -128,14 +128,10 @@ class FloatGPTQ(Quantizer):
             raise QuantkitError(f"option mse={self.options['mse']!r} must be true or false")
         if not isinstance(self.options["gptaq"], bool):
             raise QuantkitError(f"option gptaq={self.options['gptaq']!r} must be true or false")
-        alpha = self.options["gptaq_alpha"]
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
-            raise QuantkitError(f"gptaq_alpha must be a number in (0, 1], got {alpha!r}")
+        check_gptaq_alpha(self.options["gptaq_alpha"])
         self.needs_reference_inputs = self.options["gptaq"]  # an instance attribute: the recipe reads it
         self.weights = weights
-        self._hessians: dict[str, HessianAccumulator] = {}
-        self._crosses: dict[str, CrossAccumulator] = {}
-        self._last_input, self._last_acc, self._last_cross = None, None, None
+        self._stats = LayerInputStatistics(with_cross=self.needs_reference_inputs)
         self._stage_mates: dict[str, list[str]] = {}
         self._stacked: dict[str, FloatResult] = {}
         self._global_scales: dict[str, torch.Tensor] = {}
@@ -157,26 +153,7 @@ class FloatGPTQ(Quantizer):
         return bool(self.options["true_sequential"])
 
     def observe(self, name: str, module: nn.Module, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
-        if x is self._last_input:  # q/k/v (gate/up) read the same tensor: one Hessian (and cross term) for them
-            self._hessians.setdefault(name, self._last_acc)
-            if self._hessians[name] is self._last_acc:
-                if self._last_cross is not None:
-                    self._crosses.setdefault(name, self._last_cross)
-                return
-        layout = self._ctx.row_layout(name) if self._ctx else None
-        acc = self._hessians.get(name)
-        if acc is None:
-            acc = self._hessians[name] = HessianAccumulator(module.in_features, device=x.device, layout=layout)
-        acc.add_batch(x)
-        cross = None
-        if self.needs_reference_inputs:
-            if reference is None:
-                raise QuantkitError(f"GPTAQ needs the unquantized model's input of {name}; the pipeline gave none")
-            cross = self._crosses.get(name)
-            if cross is None:
-                cross = self._crosses[name] = CrossAccumulator(module.in_features, layout)
-            cross.add_batch(x, reference)
-        self._last_input, self._last_acc, self._last_cross = x, acc, cross
+        self._stats.observe(name, module.in_features, x, reference, self._ctx.row_layout(name) if self._ctx else None)
 
     def _grid(self, name: str, weight: torch.Tensor) -> FixedFloatGrid:
         return fixed_grid(weight, self.weights, self._global_scales.get(name), search=self.options["mse"])
@@ -184,10 +161,7 @@ class FloatGPTQ(Quantizer):
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme) -> FloatResult:
         if name in self._stacked:
             return self._stacked.pop(name)
-        acc = self._hessians.pop(name, None)
-        cross = self._crosses.pop(name, None)
-        if acc is not None and acc is self._last_acc:
-            self._last_input = self._last_acc = self._last_cross = None
+        acc, cross = self._stats.pop(name)
         if acc is not None:
             acc.finish()
         if acc is None or acc.n_samples == 0:
@@ -195,11 +169,10 @@ class FloatGPTQ(Quantizer):
                 return self.quantize_uncalibrated(name, module, scheme)
             raise QuantkitError(f"GPTQ saw no calibration inputs for {name}; check the dataset")
         # stage mates reading the same input are solved as one matrix (GPTQ treats rows independently)
-        mates = [m for m in self._stage_mates.get(name, ()) if self._hessians.get(m) is acc]
+        mates = [m for m in self._stage_mates.get(name, ()) if self._stats.hessians.get(m) is acc]
         linears = [(name, module)] + [(m, self._ctx.layer.get_submodule(m)) for m in mates]
         for m in mates:
-            del self._hessians[m]
-            self._crosses.pop(m, None)
+            self._stats.pop(m)
         grids = [self._grid(n, lin.weight.data) for n, lin in linears]  # the format's scales, from the original
         grid = grids[0] if len(grids) == 1 else FixedFloatGrid(grids[0].rtn, torch.cat([g.step for g in grids]))
         weight = torch.cat([lin.weight.data for _, lin in linears]).float()
@@ -229,16 +202,11 @@ class FloatGPTQ(Quantizer):
         return FloatResult(self._grid("", module.weight.data).rtn, bias)
 
     def discard(self, name: str) -> None:
-        acc = self._hessians.pop(name, None)
-        self._crosses.pop(name, None)
+        self._stats.pop(name)
         self._stacked.pop(name, None)
-        if acc is not None and acc is self._last_acc:
-            self._last_input = self._last_acc = self._last_cross = None
 
     def end_layer(self, ctx: LayerContext) -> None:
-        self._hessians.clear()
-        self._crosses.clear()
+        self._stats.clear()
         self._stacked.clear()
         self._global_scales = {}
         self._ctx = None
-        self._last_input, self._last_acc, self._last_cross = None, None, None
