@@ -124,7 +124,8 @@ def _experts_as_linears(model: torch.nn.Module):
             setattr(parent, child, fused)
 
 
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "smoothquant", "smoothquant+gptq")
+SMOOTHED = {"smoothquant": "rtn", "smoothquant+gptq": "gptq"}  # SmoothQuant's pass, then this method
 
 
 def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
@@ -139,7 +140,10 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     (`quantizers.gptq_float`) through quantkit's layer-by-layer pipeline, calibrated on `calibration` (token
     ids [samples, seq_len]) with `options` (damp_percent, block_size, desc_act, true_sequential; and mse, the
     scales' range search, for both methods: `float_codecs.scale_search`, None its format's default); it leaves
-    `model`'s linears fake-quantized, as the pipeline does. `kv_scales` (quantkit.kv_calibration.KVScales)
+    `model`'s linears fake-quantized, as the pipeline does. "smoothquant" / "smoothquant+gptq" first smooth
+    `model` in place for a preset with quantized activations (`quantizers.smoothquant_float`, options alpha,
+    alpha_step, search_tokens, smooth), then round or run GPTQ as above; static input scales are measured on
+    the smoothed model. `kv_scales` (quantkit.kv_calibration.KVScales)
     adds the calibrated FP8 KV-cache scales and the config's kv_cache_scheme.
     Returns {module name: dequantized float32 weight}, what a reader should reconstruct."""
     out = Path(output)
@@ -147,31 +151,43 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
         raise QuantkitError(f"output folder {out} already exists; choose a new folder")
     layout_of(preset)
     if method not in METHODS:
-        raise QuantkitError(f"--scheme {preset.name} is written with --method {' or '.join(METHODS)}, not {method!r}")
+        raise QuantkitError(f"--scheme {preset.name} is written with --method {', '.join(METHODS)}, not {method!r}")
+    from quantkit.quantizers import smoothquant_float
+
     integer = preset.weights.kind == "int"  # W4AFP8: the integer steps, with their own options
-    if method == "rtn" and calibration is not None and not preset.calibrates_activations:
+    options = dict(options or {})
+    smoothing = {k: options.pop(k) for k in smoothquant_float.OPTIONS if k in options} \
+        if method in SMOOTHED else None
+    method = SMOOTHED.get(method, method)
+    if smoothing is not None and calibration is None:
+        raise QuantkitError(f"SmoothQuant before --scheme {preset.name} measures activations: it needs calibration "
+                            "token ids")
+    if method == "rtn" and calibration is not None and not preset.calibrates_activations and smoothing is None:
         raise QuantkitError(f"round-to-nearest onto --scheme {preset.name} reads no calibration data; drop it or use "
                             "--method gptq")
-    if method == "rtn" and not integer and set(options or {}) - {"mse"}:
+    if method == "rtn" and not integer and set(options) - {"mse"}:
         raise QuantkitError("round-to-nearest onto a float grid takes no option but mse; drop them or use "
                             "--method gptq")
     if preset.calibrates_activations and calibration is None:
         raise QuantkitError(f"--scheme {preset.name} stores input scales measured on calibration data; it needs "
                             "calibration token ids with --method rtn as with gptq")
+    if smoothing is not None:  # exact in full precision: everything below sees the smoothed model
+        smoothquant_float.smooth(model, preset, _pipeline_linears(model, tuple(ignore))[1], calibration, smoothing,
+                                 batch_size, progress)
     # measured before GPTQ fake-quantizes the model's weights: the inputs of the model as given
     input_scales = _input_scales(model, preset, tuple(ignore), calibration, batch_size) \
         if preset.calibrates_activations else {}
     if integer:
-        results = _integer_results(model, preset, tuple(ignore), method, calibration, options or {}, batch_size,
+        results = _integer_results(model, preset, tuple(ignore), method, calibration, options, batch_size,
                                    progress)
     else:
-        results = _gptq_results(model, preset, tuple(ignore), calibration, options or {}, batch_size, progress) \
+        results = _gptq_results(model, preset, tuple(ignore), calibration, options, batch_size, progress) \
             if method == "gptq" else None
     with _experts_as_linears(model) as adapter:
         rename = adapter.checkpoint_name if adapter is not None else (lambda n: n)
         full_precision = set(adapter.full_precision_modules(model)) if adapter is not None else set()
         state, dequantized, skipped = _quantized_state(model, preset, tuple(ignore), full_precision, results,
-                                                       search=(options or {}).get("mse"), input_scales=input_scales)
+                                                       search=options.get("mse"), input_scales=input_scales)
     state = {rename(k): v for k, v in state.items()}
     if not dequantized:
         raise QuantkitError("no linear layers left to quantize after the ignore list; loosen --ignore")
@@ -207,11 +223,21 @@ def _input_scales(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[
     return {name: input_scale_for(acts, a) for name, a in absmax.items()}
 
 
+def _pipeline_linears(model: torch.nn.Module, patterns: tuple[str, ...]):
+    """(the model's adapter, the linears the calibration pipeline quantizes: all but the adapter's full-precision
+    ones and those `ignore` matches)."""
+    from quantkit.models import get_adapter
+
+    adapter = get_adapter(model)
+    full_precision = set(adapter.full_precision_modules(model))
+    return adapter, [n for n in adapter.linear_shapes(model)
+                     if n not in full_precision and not any(re.search(p, n) for p in patterns)]
+
+
 def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...], method: str,
                      calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool) -> dict:
     """{linear name: QuantizedWeight} of the integer RTN or GPTQ step (with `options`, as on the integer path)
     on the preset's integer weight grid (W4AFP8: 4-bit symmetric groups of 128), through quantkit's pipeline."""
-    from quantkit.models import get_adapter
     from quantkit.pipeline import quantize_model
     from quantkit.quantizers.recipe import build_recipe
     from quantkit.scheme import LinearScheme
@@ -219,10 +245,7 @@ def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tup
     recipe = build_recipe(method, options)
     if recipe.needs_calibration and calibration is None:
         raise QuantkitError(f"--scheme {preset.name} with --method {method} needs calibration data (token ids)")
-    adapter = get_adapter(model)
-    full_precision = set(adapter.full_precision_modules(model))
-    names = [n for n in adapter.linear_shapes(model)
-             if n not in full_precision and not any(re.search(p, n) for p in patterns)]
+    adapter, names = _pipeline_linears(model, patterns)
     w = preset.weights
     shapes = adapter.linear_shapes(model)
     for name in names:  # before any calibration: a group that does not divide a linear's inputs is refused here
@@ -239,17 +262,13 @@ def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tup
 def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
                   calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool) -> dict:
     """{linear name: FloatResult} of GPTQ on the preset's grid, from quantkit's calibration pipeline."""
-    from quantkit.models import get_adapter
     from quantkit.pipeline import quantize_model
     from quantkit.quantizers.gptq_float import FloatGPTQ
     from quantkit.scheme import LinearScheme
 
     if calibration is None:
         raise QuantkitError(f"--scheme {preset.name} with --method gptq needs calibration data (token ids)")
-    adapter = get_adapter(model)
-    full_precision = set(adapter.full_precision_modules(model))
-    names = [n for n in adapter.linear_shapes(model)
-             if n not in full_precision and not any(re.search(p, n) for p in patterns)]
+    adapter, names = _pipeline_linears(model, patterns)
     step = FloatGPTQ(preset.weights, **options)
     schemes = dict.fromkeys(names, LinearScheme(bits=preset.weights.bits, group_size=-1, sym=True))
     return quantize_model(model, adapter, step, schemes, calibration, batch_size=batch_size, progress=progress)

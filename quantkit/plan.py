@@ -196,7 +196,8 @@ def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = Non
                           {**(rec.get("options") or {}), **(options or {})})
     if preset is not None and preset.float_grid:
         _check_float_preset(preset, recipe, options, gguf_type)
-    quant_scheme = _scheme(recipe, rec.get("scheme") or {}, bits=bits, group_size=group_size, sym=sym, ignore=ignore)
+    quant_scheme = _scheme(recipe, rec.get("scheme") or {}, bits=bits, group_size=group_size, sym=sym, ignore=ignore,
+                           check=preset is None or not preset.float_grid)  # a float preset: checked above
     gguf_type = gguf_type if gguf_type is not None else rec.get("gguf_type")
     format_name = str(format or rec.get("format") or recipe.default_format)
     if format_name.lower() == "gguf":
@@ -278,23 +279,32 @@ def _preset_flags(name: str, method, *, bits, group_size, sym, format):
 
 
 def _check_float_preset(p: SchemePreset, recipe: Recipe, options: Optional[dict], gguf_type) -> None:
-    """A float preset is written by round-to-nearest or GPTQ onto its grid (quantkit.float_checkpoint);
-    GPTQ there takes only the options its float solve declares (quantizers.gptq_float)."""
-    from quantkit.float_checkpoint import METHODS, layout_of
+    """A float preset is written by round-to-nearest or GPTQ onto its grid (quantkit.float_checkpoint), either
+    after SmoothQuant's pass where the preset quantizes activations (quantizers.smoothquant_float); GPTQ there
+    takes only the options its float solve declares (quantizers.gptq_float), SmoothQuant only its own."""
+    from quantkit.float_checkpoint import METHODS, SMOOTHED, layout_of
+    from quantkit.quantizers import smoothquant_float
     from quantkit.quantizers.gptq_float import FloatGPTQ
     from quantkit.run_recipe import non_default_options
 
     if recipe.name not in METHODS:
-        raise QuantkitError(f"--scheme {p.name} is written by --method {' or '.join(METHODS)} (AWQ and transforms on "
-                            f"float grids are not built yet); drop --method {recipe.name}")
+        raise QuantkitError(f"--scheme {p.name} is written by --method {', '.join(METHODS)} (AWQ on float grids is "
+                            f"not built yet); drop --method {recipe.name}")
     if gguf_type is not None:
         raise QuantkitError(f"--scheme {p.name} is a compressed-tensors scheme; drop --gguf-type")
+    given = dict(non_default_options(recipe))
+    smoothing = {k: given.pop(k) for k in list(given) if recipe.name in SMOOTHED and k in smoothquant_float.OPTIONS}
+    if recipe.name in SMOOTHED:
+        smoothquant_float.FloatSmoothing(p, **smoothing)  # its refusals (a weight-only preset, a bad alpha) now
+        if "activations" in given:
+            raise QuantkitError(f"--scheme {p.name} sets its own input activations; drop the activations option")
     if p.weights.kind == "int":  # W4AFP8: the integer RTN / GPTQ steps with their own options
         layout_of(p)
         return
-    if recipe.name == "rtn" and options:
-        raise QuantkitError(f"--scheme {p.name} with round-to-nearest takes no method options; drop them")
-    unknown = sorted(set(non_default_options(recipe)) - set(FloatGPTQ.options_spec))
+    if SMOOTHED.get(recipe.name, recipe.name) == "rtn" and given:
+        raise QuantkitError(f"--scheme {p.name} with round-to-nearest takes no method options; drop "
+                            f"{', '.join(sorted(given))}")
+    unknown = sorted(set(given) - set(FloatGPTQ.options_spec))
     if unknown:
         raise QuantkitError(f"GPTQ on --scheme {p.name}'s float grid takes only {', '.join(FloatGPTQ.options_spec)}; "
                             f"drop {', '.join(unknown)}")
@@ -333,12 +343,13 @@ def _gguf_type(recipe: Recipe, scheme: QuantScheme, gguf_type: Optional[str]) ->
     return check_gguf_type(gguf_type or default_gguf_type(scheme.bits, scheme.sym))
 
 
-def _scheme(recipe: Recipe, from_file: dict, **flags) -> QuantScheme:
+def _scheme(recipe: Recipe, from_file: dict, check: bool = True, **flags) -> QuantScheme:
     scheme_dict = {**recipe.default_scheme, **from_file}
     flags["group_size"] = parse_group_size(flags["group_size"])
     scheme_dict.update({k: v for k, v in flags.items() if v is not None})
     scheme = scheme_from_dict(scheme_dict).with_default_sym(recipe.default_sym)
-    recipe.check_scheme(scheme)
+    if check:
+        recipe.check_scheme(scheme)
     return scheme
 
 

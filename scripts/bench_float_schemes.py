@@ -8,6 +8,7 @@ token ids (quantkit's own pipeline, `lee`, seed 0, written once to WORKDIR/calib
                  quantkit's layer-by-layer pipeline)
   llmc rtn       llm-compressor's QuantizationModifier(scheme=PRESET)   (scripts/llmcompressor_peer.py)
   llmc gptq      llm-compressor's GPTQModifier(scheme=PRESET), dampening 0.01, block 128, its default act-order
+  quantkit smoothquant[+gptq]   SmoothQuant's pass first (presets with quantized activations), then RTN or GPTQ
 each in its own subprocess; "seconds" is the quantization call alone (model loading excluded) for both tools,
 "cpu_seconds" that call's CPU time (all threads; far less inflated than wall time by a busy machine), "cpu_s" the
 whole child's (load and save included).
@@ -47,7 +48,8 @@ def quantize_with_quantkit(model_folder: str, preset_name: str, method: str, cal
     model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
     ids = load_file(calib_ids)["input_ids"]
     t0, c0 = time.perf_counter(), time.process_time()
-    write(model, preset(preset_name), output, method=method, calibration=ids if method == "gptq" else None,
+    p = preset(preset_name)  # RTN reads the calibration ids only for static input scales (FP8, NVFP4)
+    write(model, p, output, method=method, calibration=ids if method != "rtn" or p.calibrates_activations else None,
           options=options or None)
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     AutoTokenizer.from_pretrained(model_folder).save_pretrained(output)

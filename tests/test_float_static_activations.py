@@ -134,9 +134,10 @@ def test_plan_gathers_calibration_for_static_activations_and_refuses_other_metho
     assert resolve_plan("rtn", scheme="nvfp4", calibration={"num_samples": 8}).calibration.num_samples == 8
     assert resolve_plan("rtn", scheme="W4AFP8").calibration is None  # dynamic activations: RTN reads no data
     assert resolve_plan("gptq", scheme="W4AFP8", options={"damp_percent": 0.05}).float_preset.name == "W4AFP8"
-    for method in ("awq", "smoothquant"):
-        with pytest.raises(QuantkitError, match=f"--scheme NVFP4 is written by --method rtn or gptq .*drop --method {method}"):
-            resolve_plan(method, scheme="NVFP4")
+    with pytest.raises(QuantkitError, match="--scheme NVFP4 is written by --method rtn, gptq, smoothquant, "
+                                            "smoothquant\\+gptq .*drop --method awq"):
+        resolve_plan("awq", scheme="NVFP4")
+    assert resolve_plan("smoothquant", scheme="NVFP4").recipe.name == "smoothquant"  # tests/test_float_smoothquant.py
     with pytest.raises(QuantkitError, match="reads no calibration data, so --num-samples would be ignored"):
         resolve_plan("rtn", scheme="W4AFP8", calibration={"num_samples": 8})
 

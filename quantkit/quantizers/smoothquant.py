@@ -150,7 +150,7 @@ class SmoothQuantTransform(Transform):
                 entry["alpha"], entry["losses"] = self._search(ctx, g, xm, w_max, block_inputs[g.inspect])
             else:
                 entry["alpha"] = float(self.options["alpha"])
-            s = smooth_scales(xm, w_max, entry["alpha"])
+            s = self._scales(xm, w_max, entry["alpha"])
             fold_scales(layer, g, s)
             entry["scales"] = s.cpu()
             log.append(entry)
@@ -176,6 +176,23 @@ class SmoothQuantTransform(Transform):
 
     def end_layer(self, ctx: LayerContext) -> None:
         self._amax.clear()
+
+    # -- what the alpha search simulates (a subclass for another grid overrides these) ------
+    def _alphas(self) -> list:
+        """The migration strengths the auto search tries: 0, step, ..., 1."""
+        step = float(self.options["alpha_step"])
+        return sorted({min(1.0, round(i * step, 6)) for i in range(round(1 / step) + 1)})
+
+    def _scales(self, x_max: torch.Tensor, w_max: torch.Tensor, alpha) -> torch.Tensor:
+        return smooth_scales(x_max, w_max, alpha)
+
+    def _fake_weight(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """The smoothed weight `w` (float32) as the finishing quantizer's grid rounds it: int8 per channel."""
+        return fake_quantize_grouped(w, W8)
+
+    def _fake_input(self, name: str, x: torch.Tensor, amax: float) -> torch.Tensor:
+        """The smoothed input as the runtime quantizes it (`amax`: its calibrated max, for static scales)."""
+        return fake_quant_input(x, amax if self.options["activations"] == "static" else None)
 
     # -- internals -------------------------------------------------------------------------
     @torch.no_grad()
@@ -236,17 +253,16 @@ class SmoothQuantTransform(Transform):
 
     @torch.no_grad()
     def _search(self, ctx: LayerContext, group, x_max: torch.Tensor, w_max: torch.Tensor, batches: list):
-        """Alpha with the lowest block-output MSE when the group is smoothed and fake-quantized W8A8."""
+        """Alpha with the lowest block-output MSE when the group is smoothed and fake-quantized as the finished
+        checkpoint runs (`_fake_weight`, `_fake_input`: W8A8 here)."""
         layer = ctx.layer
         block = layer.get_submodule(group.inspect)
         linears = {n: layer.get_submodule(n) for n in group.linears}
         originals = {n: m.weight.data.clone() for n, m in linears.items()}
-        static = self.options["activations"] == "static"
         run = lambda: [layer_output(block(*a, **k)).float() for a, k in batches]  # noqa: E731
         reference, comm = run(), self._layout.comm
         numel, = comm.sum_ints([sum(r.numel() for r in reference)])
-        n_steps = round(1 / float(self.options["alpha_step"]))
-        alphas = sorted({min(1.0, round(i * float(self.options["alpha_step"]), 6)) for i in range(n_steps + 1)})
+        alphas = self._alphas()
         losses, best = [], (math.inf, None)
         state = {}
 
@@ -254,19 +270,19 @@ class SmoothQuantTransform(Transform):
             def hook(module, args):
                 x = args[0] / state["s"].to(args[0].dtype)
                 if name in ctx.schemes:
-                    x = fake_quant_input(x, state["amax"])
+                    x = self._fake_input(name, x, state["amax"])
                 return (x, *args[1:])
             return hook
 
         handles = [m.register_forward_pre_hook(input_hook(n)) for n, m in linears.items()]
         try:
             for alpha in alphas:
-                s = smooth_scales(x_max, w_max, alpha)
+                s = self._scales(x_max, w_max, alpha)
                 state["s"] = s
-                state["amax"] = float((x_max / s).max()) if static else None
+                state["amax"] = float((x_max / s).max())
                 for n, m in linears.items():
                     w = originals[n].float() * s.view(1, -1)
-                    m.weight.data = (fake_quantize_grouped(w, W8) if n in ctx.schemes else w).to(m.weight.dtype)
+                    m.weight.data = (self._fake_weight(n, w) if n in ctx.schemes else w).to(m.weight.dtype)
                 loss = comm.ordered_sum([float((o - r).pow(2).sum()) for o, r in zip(run(), reference)]) / max(1, numel)
                 losses.append(loss)
                 if loss < best[0]:
@@ -276,7 +292,7 @@ class SmoothQuantTransform(Transform):
                 h.remove()
             for n, m in linears.items():
                 m.weight.data = originals[n]
-        if best[1] is None:
+        if not math.isfinite(best[0]):
             raise QuantkitError(f"smoothquant: the alpha search for {group.linears} produced no finite loss; "
                                 "the calibration data or weights contain NaN/inf")
         return best[1], dict(zip(alphas, losses))
