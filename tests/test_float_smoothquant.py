@@ -165,3 +165,23 @@ def test_cli_writes_a_smoothed_nvfp4_checkpoint_with_its_method_on_the_card(tmp_
     assert qcfg["format"] == "nvfp4-pack-quantized"
     card = (out / "README.md").read_text()
     assert "method: `smoothquant+gptq`" in card and "alpha: `auto`" in card
+
+
+def test_the_pass_keeps_a_moe_model_and_every_expert_it_seldom_routes_to(tmp_path):
+    """A tiny Qwen3-MoE (fused experts): the norm -> experts' gate/up group is smoothed with the router as a
+    follower, and experts too few calibration tokens reached are kept as they are, not rounded (the pipeline's
+    fallback for them would round them to its scheme)."""
+    from test_float_runtime import _tiny_moe
+
+    from quantkit.float_checkpoint import DEFAULT_IGNORE, _pipeline_linears
+
+    model, original = _tiny_moe(), _tiny_moe()
+    log = smooth(model, preset("NVFP4"), _pipeline_linears(model, DEFAULT_IGNORE)[1], CALIBRATION[:, :20],
+                 {"alpha": 0.5})
+    assert all(len(entries) == 2 for entries in log.values())  # norm -> q/k/v and norm -> every expert's gate/up
+    with torch.no_grad():
+        torch.testing.assert_close(model(HELD_OUT).logits, original(HELD_OUT).logits, rtol=1e-4, atol=1e-4)
+    unchanged = _tiny_moe()
+    smooth(unchanged, preset("NVFP4"), _pipeline_linears(unchanged, DEFAULT_IGNORE)[1], CALIBRATION[:, :20],
+           {"smooth": False})
+    assert all(torch.equal(a, b) for a, b in zip(unchanged.state_dict().values(), original.state_dict().values()))

@@ -109,6 +109,10 @@ class KeepWeights(Quantizer):
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme) -> QuantizedWeight:
         return _Unchanged(module.weight.data)  # type: ignore[return-value]
 
+    def quantize_uncalibrated(self, name: str, module: nn.Linear, scheme: LinearScheme) -> QuantizedWeight:
+        """A MoE expert too few tokens reached is kept too (the base class would round it to the scheme)."""
+        return _Unchanged(module.weight.data)  # type: ignore[return-value]
+
 
 def smooth(model: nn.Module, preset: SchemePreset, linears: list[str], calibration: Optional[torch.Tensor],
            options: dict, batch_size: int = 8, progress: bool = False) -> dict[int, list[dict]]:
