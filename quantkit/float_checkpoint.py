@@ -126,6 +126,10 @@ def _experts_as_linears(model: torch.nn.Module):
 
 METHODS = ("rtn", "gptq", "smoothquant", "smoothquant+gptq")
 SMOOTHED = {"smoothquant": "rtn", "smoothquant+gptq": "gptq"}  # SmoothQuant's pass, then this method
+# the method (and its options) a preset gets when the run names none: round-to-nearest, except where SmoothQuant
+# with the alpha search was measured lower KL on both held-out texts with RTN and with GPTQ (the FP4-activation
+# presets: docs/float-schemes.md, 27-35 % lower on the demo); an explicit --method rtn / gptq stays plain
+DEFAULT_METHODS = {"NVFP4": ("smoothquant", {"alpha": "auto"}), "MXFP4": ("smoothquant", {"alpha": "auto"})}
 
 
 def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,

@@ -192,6 +192,11 @@ def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = Non
         or bool(ignore) or bool(options)  # then a recipe.yaml's per-linear schemes no longer bind
     preset, rec, (method, bits, group_size, sym, format) = _named_scheme(scheme, rec, method, bits, group_size, sym,
                                                                          format)
+    if preset is not None and preset.float_grid and method is None:  # the preset's own default method
+        from quantkit.float_checkpoint import DEFAULT_METHODS
+
+        method, defaults = DEFAULT_METHODS.get(preset.name, (DEFAULT_METHOD, {}))
+        options = {**defaults, **(options or {})}
     recipe = build_recipe(method if method is not None else rec.get("method", DEFAULT_METHOD),
                           {**(rec.get("options") or {}), **(options or {})})
     if preset is not None and preset.float_grid:

@@ -154,7 +154,7 @@ def main() -> None:
               f"{r['lee']['top1_agreement']:8.3f} {r['wiki']['perplexity']:8.2f} {r['seconds']:7.1f}")
     by = {(r["preset"], r["row"]): r for r in rows}
     for name in {r["preset"] for r in rows}:
-        for method in ("rtn", "gptq"):
+        for method in ("rtn", "gptq", "smoothquant", "smoothquant+gptq"):
             a, b = by.get((name, f"quantkit {method}")), by.get((name, f"llmc {method}"))
             if a and b:
                 ka = (a["lee"]["kl_mean"] + a["wiki"]["kl_mean"]) / 2

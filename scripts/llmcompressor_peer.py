@@ -21,7 +21,8 @@ Schemes (matching quantkit's method defaults unless a flag says otherwise):
   smoothquant  SmoothQuantModifier(0.5) + QuantizationModifier W8A8: int8 symmetric per-channel
                weights, int8 dynamic per-token symmetric activations
   --scheme P   gptq / rtn onto compressed-tensors preset P (FP8_DYNAMIC, NVFP4A16, MXFP4A16, ...) with the
-               modifier's own defaults for it (scripts/bench_float_schemes.py)
+               modifier's own defaults for it (scripts/bench_float_schemes.py); smoothquant / smoothquant+gptq:
+               SmoothQuantModifier(0.5) first (presets that quantize activations: NVFP4, MXFP4, FP8...)
 
 The checkpoint is saved with save_compressed=True (compressed-tensors pack-quantized for W4A16,
 int-quantized for W8A8). The last stdout line is one JSON object; "seconds" is the oneshot call only
@@ -72,13 +73,20 @@ def build_recipe(method: str, bits: int, group_size: int, symmetric: bool, actor
 
     ignore = ["lm_head"]
     if scheme is not None:  # a compressed-tensors preset (FP8_DYNAMIC, NVFP4A16, MXFP4A16...), its own defaults
+        smoothing = []
+        if method.startswith("smoothquant"):  # llm-compressor's SmoothQuantModifier (its default strength 0.5)
+            from llmcompressor.modifiers.transform import SmoothQuantModifier
+
+            smoothing = [SmoothQuantModifier(smoothing_strength=0.5)]
+            method = {"smoothquant": "rtn", "smoothquant+gptq": "gptq"}[method]
         if method == "gptq":
             from llmcompressor.modifiers.gptq import GPTQModifier
 
-            return [GPTQModifier(targets="Linear", scheme=scheme, ignore=ignore, dampening_frac=0.01, block_size=128)]
+            return smoothing + [GPTQModifier(targets="Linear", scheme=scheme, ignore=ignore, dampening_frac=0.01,
+                                             block_size=128)]
         if method == "rtn":
-            return [QuantizationModifier(targets="Linear", scheme=scheme, ignore=ignore)]
-        raise SystemExit(f"--scheme applies to --method gptq or rtn, not {method}")
+            return smoothing + [QuantizationModifier(targets="Linear", scheme=scheme, ignore=ignore)]
+        raise SystemExit(f"--scheme applies to --method gptq, rtn, smoothquant or smoothquant+gptq, not {method}")
     if method == "gptq":
         from llmcompressor.modifiers.gptq import GPTQModifier
 
@@ -138,7 +146,7 @@ def disable_pinning_without_accelerator() -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--method", required=True, choices=["gptq", "awq", "rtn", "smoothquant"])
+    ap.add_argument("--method", required=True, choices=["gptq", "awq", "rtn", "smoothquant", "smoothquant+gptq"])
     ap.add_argument("--model", required=True, help="HF model folder")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=64, help="-1: per channel")

@@ -185,3 +185,17 @@ def test_the_pass_keeps_a_moe_model_and_every_expert_it_seldom_routes_to(tmp_pat
     smooth(unchanged, preset("NVFP4"), _pipeline_linears(unchanged, DEFAULT_IGNORE)[1], CALIBRATION[:, :20],
            {"smooth": False})
     assert all(torch.equal(a, b) for a, b in zip(unchanged.state_dict().values(), original.state_dict().values()))
+
+
+def test_fp4_activation_presets_smooth_by_default_and_an_explicit_method_stays_plain():
+    from quantkit.run_recipe import non_default_options
+
+    for name in ("NVFP4", "mxfp4"):
+        plan = resolve_plan(None, scheme=name)
+        assert plan.recipe.name == "smoothquant" and non_default_options(plan.recipe) == {"alpha": "auto"}
+        assert plan.calibration is not None
+        assert non_default_options(resolve_plan(None, scheme=name, options={"alpha": 0.7}).recipe) == {"alpha": 0.7}
+        assert resolve_plan("rtn", scheme=name).recipe.name == "rtn"
+        assert resolve_plan("gptq", scheme=name).recipe.name == "gptq"
+    for name in ("NVFP4A16", "MXFP4A16", "FP8", "FP8_DYNAMIC", "W4AFP8"):  # no FP4 activations: round to nearest
+        assert resolve_plan(None, scheme=name).recipe.name == "rtn"
