@@ -124,8 +124,8 @@ def _experts_as_linears(model: torch.nn.Module):
             setattr(parent, child, fused)
 
 
-METHODS = ("rtn", "gptq", "smoothquant", "smoothquant+gptq")
-SMOOTHED = {"smoothquant": "rtn", "smoothquant+gptq": "gptq"}  # SmoothQuant's pass, then this method
+# a pass before the rounding or GPTQ (`quantizers.float_passes`): SmoothQuant, AWQ's scale search
+METHODS = ("rtn", "gptq", "smoothquant", "smoothquant+gptq", "awq", "awq+gptq")
 # the method (and its options) a preset gets when the run names none: round-to-nearest, except where SmoothQuant
 # with the alpha search was measured lower KL on both held-out texts with RTN and with GPTQ (the FP4-activation
 # presets: docs/float-schemes.md, 27-35 % lower on the demo); an explicit --method rtn / gptq stays plain
@@ -146,8 +146,9 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     scales' range search, for both methods: `float_codecs.scale_search`, None its format's default); it leaves
     `model`'s linears fake-quantized, as the pipeline does. "smoothquant" / "smoothquant+gptq" first smooth
     `model` in place for a preset with quantized activations (`quantizers.smoothquant_float`, options alpha,
-    alpha_step, search_tokens, smooth), then round or run GPTQ as above; static input scales are measured on
-    the smoothed model. `kv_scales` (quantkit.kv_calibration.KVScales)
+    alpha_step, search_tokens, smooth), "awq" / "awq+gptq" first run AWQ's scale search on the preset's grid
+    (`quantizers.awq_float`), then round or run GPTQ as above; static input scales are measured on the
+    transformed model. `kv_scales` (quantkit.kv_calibration.KVScales)
     adds the calibrated FP8 KV-cache scales and the config's kv_cache_scheme.
     Returns {module name: dequantized float32 weight}, what a reader should reconstruct."""
     out = Path(output)
@@ -156,17 +157,15 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     layout_of(preset)
     if method not in METHODS:
         raise QuantkitError(f"--scheme {preset.name} is written with --method {', '.join(METHODS)}, not {method!r}")
-    from quantkit.quantizers import smoothquant_float
+    from quantkit.quantizers import float_passes
 
     integer = preset.weights.kind == "int"  # W4AFP8: the integer steps, with their own options
-    options = dict(options or {})
-    smoothing = {k: options.pop(k) for k in smoothquant_float.OPTIONS if k in options} \
-        if method in SMOOTHED else None
-    method = SMOOTHED.get(method, method)
-    if smoothing is not None and calibration is None:
-        raise QuantkitError(f"SmoothQuant before --scheme {preset.name} measures activations: it needs calibration "
+    first, method = float_passes.parse_method(method)
+    pass_options, options = first.split(options or {}) if first is not None else ({}, dict(options or {}))
+    if first is not None and calibration is None:
+        raise QuantkitError(f"{first.name} before --scheme {preset.name} measures activations: it needs calibration "
                             "token ids")
-    if method == "rtn" and calibration is not None and not preset.calibrates_activations and smoothing is None:
+    if method == "rtn" and calibration is not None and not preset.calibrates_activations and first is None:
         raise QuantkitError(f"round-to-nearest onto --scheme {preset.name} reads no calibration data; drop it or use "
                             "--method gptq")
     if method == "rtn" and not integer and set(options) - {"mse"}:
@@ -175,9 +174,9 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     if preset.calibrates_activations and calibration is None:
         raise QuantkitError(f"--scheme {preset.name} stores input scales measured on calibration data; it needs "
                             "calibration token ids with --method rtn as with gptq")
-    if smoothing is not None:  # exact in full precision: everything below sees the smoothed model
-        smoothquant_float.smooth(model, preset, _pipeline_linears(model, tuple(ignore))[1], calibration, smoothing,
-                                 batch_size, progress)
+    if first is not None:  # exact in full precision: everything below sees the transformed model
+        float_passes.run_pass(model, preset, first, _pipeline_linears(model, tuple(ignore))[1], calibration,
+                              pass_options, batch_size, progress)
     # measured before GPTQ fake-quantizes the model's weights: the inputs of the model as given
     input_scales = _input_scales(model, preset, tuple(ignore), calibration, batch_size) \
         if preset.calibrates_activations else {}

@@ -285,30 +285,32 @@ def _preset_flags(name: str, method, *, bits, group_size, sym, format):
 
 def _check_float_preset(p: SchemePreset, recipe: Recipe, options: Optional[dict], gguf_type) -> None:
     """A float preset is written by round-to-nearest or GPTQ onto its grid (quantkit.float_checkpoint), either
-    after SmoothQuant's pass where the preset quantizes activations (quantizers.smoothquant_float); GPTQ there
-    takes only the options its float solve declares (quantizers.gptq_float), SmoothQuant only its own."""
-    from quantkit.float_checkpoint import METHODS, SMOOTHED, layout_of
-    from quantkit.quantizers import smoothquant_float
+    after a pass (quantizers.float_passes: SmoothQuant where the preset quantizes activations, AWQ's scale
+    search); GPTQ there takes only the options its float solve declares (quantizers.gptq_float), a pass only
+    its own."""
+    from quantkit.float_checkpoint import METHODS, layout_of
+    from quantkit.quantizers import float_passes
     from quantkit.quantizers.gptq_float import FloatGPTQ
     from quantkit.run_recipe import non_default_options
 
     if recipe.name not in METHODS:
-        raise QuantkitError(f"--scheme {p.name} is written by --method {', '.join(METHODS)} (AWQ on float grids is "
-                            f"not built yet); drop --method {recipe.name}")
+        raise QuantkitError(f"--scheme {p.name} is written by --method {', '.join(METHODS)}; drop --method "
+                            f"{recipe.name}")
     if gguf_type is not None:
         raise QuantkitError(f"--scheme {p.name} is a compressed-tensors scheme; drop --gguf-type")
+    first, finish = float_passes.parse_method(recipe.name)
     given = dict(non_default_options(recipe))
-    smoothing = {k: given.pop(k) for k in list(given) if recipe.name in SMOOTHED and k in smoothquant_float.OPTIONS}
-    if recipe.name in SMOOTHED:
-        smoothquant_float.FloatSmoothing(p, **smoothing)  # its refusals (a weight-only preset, a bad alpha) now
-        if "activations" in given:
-            raise QuantkitError(f"--scheme {p.name} sets its own input activations; drop the activations option")
+    declared = recipe.transforms[0].options_spec if first is not None else {}
+    if first is not None:  # the transform's options are the pass's; its refusals (a preset it cannot serve, an
+        first.build(p, **{k: v for k, v in given.items() if k in declared})  # option it does not take) first
+        given = {k: v for k, v in given.items() if k not in declared}
     if p.weights.kind == "int":  # W4AFP8: the integer RTN / GPTQ steps with their own options
         layout_of(p)
         return
-    if SMOOTHED.get(recipe.name, recipe.name) == "rtn" and given:
+    asked = sorted(set(options or {}) - set(declared))  # as the user gave them (a default-valued one too)
+    if finish == "rtn" and asked:
         raise QuantkitError(f"--scheme {p.name} with round-to-nearest takes no method options; drop "
-                            f"{', '.join(sorted(given))}")
+                            f"{', '.join(asked)}")
     unknown = sorted(set(given) - set(FloatGPTQ.options_spec))
     if unknown:
         raise QuantkitError(f"GPTQ on --scheme {p.name}'s float grid takes only {', '.join(FloatGPTQ.options_spec)}; "

@@ -406,6 +406,11 @@ class AWQTransform(Transform):
             log["clip"][name] = ratios.cpu()
         log["seconds"] = time.perf_counter() - t0
 
+    def _fake_weight(self, name: str, w: torch.Tensor, scheme: LinearScheme) -> torch.Tensor:
+        """The scaled weight `w` (float32) as the finishing rounding will round it: the scheme's integer groups
+        (a subclass for another grid overrides this)."""
+        return fake_quantize_grouped(w, scheme, self.options["sym_range"])
+
     # -- internals -------------------------------------------------------------------------
     @torch.no_grad()
     def _capture(self, ctx: LayerContext, groups, clip_targets) -> _Capture:
@@ -489,8 +494,7 @@ class AWQTransform(Transform):
                 for n, m in linears.items():
                     w = originals[n]
                     sv = s.to(device=w.device, dtype=torch.float32).view(1, -1)
-                    m.weight.data = (fake_quantize_grouped(w.float() * sv, schemes[n], self.options["sym_range"])
-                                     / sv).to(w.dtype)
+                    m.weight.data = (self._fake_weight(n, w.float() * sv, schemes[n]) / sv).to(w.dtype)
                 loss = group_loss()
                 losses.append(loss)
                 if loss < best[0]:

@@ -11,8 +11,8 @@ output is computed with the smoothed weights rounded to nearest on the preset's 
 `float_codecs.fixed_grid`, or the integer groups of W4AFP8) and the inputs fake-quantized as the runtime does
 (`float_codecs.activations`; static scales from the smoothed calibration maximum, as the writer will store).
 "No smoothing" is a candidate too (alpha None, scales of 1), and a tie keeps it, so the search smooths a group
-only where the simulated checkpoint's block output gets closer to full precision. The pass quantizes nothing
-(`KeepWeights` hands every weight back as smoothed); the pipeline only supplies each layer's calibration inputs.
+only where the simulated checkpoint's block output gets closer to full precision. The pass itself is
+`float_passes.run_pass`: it quantizes nothing.
 """
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from quantkit.errors import QuantkitError
 from quantkit.float_codecs import activations
 from quantkit.float_codecs.fixed_grid import fixed_grid
 from quantkit.float_codecs.input_scales import input_scale_for
-from quantkit.qtensor import QuantizedWeight
-from quantkit.quantizers.base import Quantizer
+from quantkit.quantizers import float_passes
 from quantkit.quantizers.grid import fake_quantize_grouped
 from quantkit.quantizers.smoothquant import SmoothQuantTransform
 from quantkit.scheme import LinearScheme
@@ -83,35 +82,7 @@ class FloatSmoothing(SmoothQuantTransform):
         return activations.fake_quantize(x, self.preset.input_activations, None if static is None else static[1])
 
 
-class _Unchanged:
-    """A linear's weight as the smoothing pass leaves it: what the pipeline asks of a result, and nothing more."""
-
-    act_order = "none"
-
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight
-        self.scales = torch.ones(1)  # the pipeline checks a result's scales are finite
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.weight.to(dtype)
-
-    def to(self, device) -> "_Unchanged":
-        return self
-
-
-class KeepWeights(Quantizer):
-    """The smoothing pass's weight step: every linear keeps its (smoothed) full-precision weight."""
-
-    name = "keep"
-    observes = False
-    needs_calibration = False
-
-    def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme) -> QuantizedWeight:
-        return _Unchanged(module.weight.data)  # type: ignore[return-value]
-
-    def quantize_uncalibrated(self, name: str, module: nn.Linear, scheme: LinearScheme) -> QuantizedWeight:
-        """A MoE expert too few tokens reached is kept too (the base class would round it to the scheme)."""
-        return _Unchanged(module.weight.data)  # type: ignore[return-value]
+PASS = float_passes.register(float_passes.FloatPass("smoothquant", FloatSmoothing, OPTIONS))
 
 
 def smooth(model: nn.Module, preset: SchemePreset, linears: list[str], calibration: Optional[torch.Tensor],
@@ -119,19 +90,4 @@ def smooth(model: nn.Module, preset: SchemePreset, linears: list[str], calibrati
     """Smooth `model` in place for `preset` (the groups feeding any of `linears`), layer by layer on `calibration`
     (token ids); returns the search log per decoder layer (each group's alpha, None where it stayed unsmoothed,
     and, for alpha auto, the loss of every candidate)."""
-    from quantkit.models import get_adapter
-    from quantkit.pipeline import quantize_model
-    from quantkit.quantizers.recipe import Recipe
-
-    if calibration is None:
-        raise QuantkitError(f"SmoothQuant before --scheme {preset.name} measures activations: it needs calibration "
-                            "token ids")
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise QuantkitError(f"SmoothQuant before --scheme {preset.name} takes {', '.join(OPTIONS)}; drop "
-                            f"{', '.join(unknown)}")
-    step = FloatSmoothing(preset, **options)
-    scheme = LinearScheme(bits=8, group_size=-1, sym=True)  # not used to round: KeepWeights keeps every weight
-    quantize_model(model, get_adapter(model), Recipe([step, KeepWeights()]), dict.fromkeys(linears, scheme),
-                   calibration, batch_size=batch_size, progress=progress)
-    return step.search_log
+    return float_passes.run_pass(model, preset, PASS, linears, calibration, options, batch_size, progress).search_log
