@@ -175,7 +175,7 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
         raise QuantkitError(f"--scheme {preset.name} stores input scales measured on calibration data; it needs "
                             "calibration token ids with --method rtn as with gptq")
     if first is not None:  # exact in full precision: everything below sees the transformed model
-        float_passes.run_pass(model, preset, first, _pipeline_linears(model, tuple(ignore))[1], calibration,
+        float_passes.run_pass(model, preset, first, pipeline_linears(model, tuple(ignore))[1], calibration,
                               pass_options, batch_size, progress)
     # measured before GPTQ fake-quantizes the model's weights: the inputs of the model as given
     input_scales = _input_scales(model, preset, tuple(ignore), calibration, batch_size) \
@@ -226,7 +226,7 @@ def _input_scales(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[
     return {name: input_scale_for(acts, a) for name, a in absmax.items()}
 
 
-def _pipeline_linears(model: torch.nn.Module, patterns: tuple[str, ...]):
+def pipeline_linears(model: torch.nn.Module, patterns: tuple[str, ...]):
     """(the model's adapter, the linears the calibration pipeline quantizes: all but the adapter's full-precision
     ones and those `ignore` matches)."""
     from quantkit.models import get_adapter
@@ -248,7 +248,7 @@ def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tup
     recipe = build_recipe(method, options)
     if recipe.needs_calibration and calibration is None:
         raise QuantkitError(f"--scheme {preset.name} with --method {method} needs calibration data (token ids)")
-    adapter, names = _pipeline_linears(model, patterns)
+    adapter, names = pipeline_linears(model, patterns)
     w = preset.weights
     shapes = adapter.linear_shapes(model)
     for name in names:  # before any calibration: a group that does not divide a linear's inputs is refused here
@@ -271,7 +271,7 @@ def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[
 
     if calibration is None:
         raise QuantkitError(f"--scheme {preset.name} with --method gptq needs calibration data (token ids)")
-    adapter, names = _pipeline_linears(model, patterns)
+    adapter, names = pipeline_linears(model, patterns)
     step = FloatGPTQ(preset.weights, **options)
     schemes = dict.fromkeys(names, LinearScheme(bits=preset.weights.bits, group_size=-1, sym=True))
     return quantize_model(model, adapter, step, schemes, calibration, batch_size=batch_size, progress=progress)

@@ -8,7 +8,7 @@ import torch
 
 import quantkit
 from quantkit.errors import QuantkitError
-from quantkit.float_checkpoint import DEFAULT_IGNORE, _pipeline_linears, write
+from quantkit.float_checkpoint import DEFAULT_IGNORE, pipeline_linears, write
 from quantkit.plan import resolve_plan
 from quantkit.quantizers import float_passes
 from quantkit.quantizers.awq_float import FloatAWQ
@@ -20,7 +20,7 @@ from test_float_smoothquant import CALIBRATION, HELD_OUT, _kl, _outlier_llama
 def test_the_pass_keeps_the_full_precision_model_and_scales_where_it_helps():
     model, original = _outlier_llama(), _outlier_llama()
     step = float_passes.run_pass(model, preset("NVFP4A16"), float_passes.registered()["awq"],
-                                 _pipeline_linears(model, DEFAULT_IGNORE)[1], CALIBRATION, {})
+                                 pipeline_linears(model, DEFAULT_IGNORE)[1], CALIBRATION, {})
     with torch.no_grad():
         torch.testing.assert_close(model(HELD_OUT).logits, original(HELD_OUT).logits, rtol=1e-4, atol=1e-4)
     groups = [g for log in step.search_log.values() for g in log["groups"]]
@@ -76,7 +76,7 @@ def test_the_pass_keeps_a_moe_model():
 
     model, original = _tiny_moe(), _tiny_moe()
     float_passes.run_pass(model, preset("NVFP4A16"), float_passes.registered()["awq"],
-                          _pipeline_linears(model, DEFAULT_IGNORE)[1], CALIBRATION[:, :20], {})
+                          pipeline_linears(model, DEFAULT_IGNORE)[1], CALIBRATION[:, :20], {})
     with torch.no_grad():
         torch.testing.assert_close(model(HELD_OUT).logits, original(HELD_OUT).logits, rtol=1e-4, atol=1e-4)
 

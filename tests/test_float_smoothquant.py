@@ -173,16 +173,16 @@ def test_the_pass_keeps_a_moe_model_and_every_expert_it_seldom_routes_to(tmp_pat
     fallback for them would round them to its scheme)."""
     from test_float_runtime import _tiny_moe
 
-    from quantkit.float_checkpoint import DEFAULT_IGNORE, _pipeline_linears
+    from quantkit.float_checkpoint import DEFAULT_IGNORE, pipeline_linears
 
     model, original = _tiny_moe(), _tiny_moe()
-    log = smooth(model, preset("NVFP4"), _pipeline_linears(model, DEFAULT_IGNORE)[1], CALIBRATION[:, :20],
+    log = smooth(model, preset("NVFP4"), pipeline_linears(model, DEFAULT_IGNORE)[1], CALIBRATION[:, :20],
                  {"alpha": 0.5})
     assert all(len(entries) == 2 for entries in log.values())  # norm -> q/k/v and norm -> every expert's gate/up
     with torch.no_grad():
         torch.testing.assert_close(model(HELD_OUT).logits, original(HELD_OUT).logits, rtol=1e-4, atol=1e-4)
     unchanged = _tiny_moe()
-    smooth(unchanged, preset("NVFP4"), _pipeline_linears(unchanged, DEFAULT_IGNORE)[1], CALIBRATION[:, :20],
+    smooth(unchanged, preset("NVFP4"), pipeline_linears(unchanged, DEFAULT_IGNORE)[1], CALIBRATION[:, :20],
            {"smooth": False})
     assert all(torch.equal(a, b) for a, b in zip(unchanged.state_dict().values(), original.state_dict().values()))
 
