@@ -76,8 +76,10 @@ SETTINGS: tuple[Setting, ...] = (
                          "(default: the recipe's, else rtn)."),
     _s("recipe", RECIPE, "YAML recipe: a path, a bundled name, or a checkpoint's recipe.yaml (repeats that run); "
                          "flags override it.", types=()),
-    _s("scheme", RECIPE, "A named scheme instead of --bits/--group-size/--sym: W4A16, W8A16, W8A8, FP8_DYNAMIC, "
-                         "FP8_BLOCK, NVFP4A16, MXFP4A16, MXFP4 (case-insensitive; float ones with rtn).", types=_STR),
+    _s("scheme", RECIPE, "A named scheme instead of --bits/--group-size/--sym: W4A16, W8A16, W8A8, FP8, FP8_DYNAMIC, "
+                         "FP8_BLOCK, NVFP4A16, NVFP4, MXFP4A16, MXFP4, W4AFP8 (case-insensitive). Float ones take "
+                         "--method rtn (their default; NVFP4 / MXFP4: smoothquant), gptq, smoothquant[,gptq] or "
+                         "awq[,gptq].", types=_STR),
     _s("bits", RECIPE, "2, 3, 4 or 8 (default 4).", types=_INT, type=int),
     _s("group_size", RECIPE, "32, 64, 128, -1 (per channel) or auto (default).", types=(int, str)),
     _s("sym", RECIPE, "Symmetric or asymmetric grid (default: the method's usual).", decls=("--sym/--asym",),
