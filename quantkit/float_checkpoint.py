@@ -162,9 +162,6 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     integer = preset.weights.kind == "int"  # W4AFP8: the integer steps, with their own options
     first, method = float_passes.parse_method(method)
     pass_options, options = first.split(options or {}) if first is not None else ({}, dict(options or {}))
-    if first is not None and calibration is None:
-        raise QuantkitError(f"{first.name} before --scheme {preset.name} measures activations: it needs calibration "
-                            "token ids")
     if method == "rtn" and calibration is not None and not preset.calibrates_activations and first is None:
         raise QuantkitError(f"round-to-nearest onto --scheme {preset.name} reads no calibration data; drop it or use "
                             "--method gptq")
