@@ -36,6 +36,9 @@ _AUTOROUND_RULE = ["--option", "sym_range=full", "--option", "mse=false", "--opt
 QUANTKIT_ROWS = {
     "rtn": ["--method", "rtn"],
     "gptq": ["--method", "gptq"],
+    # the default with its range search unweighted (each weight's rounding error counted alike, as until
+    # 2026-12-07) instead of weighted by its input's mean square
+    "gptq unweighted": ["--method", "gptq", "--option", "weighted_search=false"],
     "awq": ["--method", "awq", "--sym", "--format", "gptq"],  # AWQ defaults to a zero point: the sym row says so
     # the KL-best recipe: auto-round's rule (below) at 100 steps per layer (configs/best-w4.yaml)
     "best": ["--recipe", "best-w4"],

@@ -59,9 +59,11 @@ def test_search_never_raises_a_regions_error_and_lowers_the_total(case):
         assert float(searched.sum()) < 0.995 * float(plain.sum()), (float(searched.sum()), float(plain.sum()))
 
 
-def _best(group: torch.Tensor, steps, grid_round) -> int:
-    """Index of the step with the lowest float64 squared error of `group` rounded under it (first on a tie)."""
-    errors = [float((grid_round(group / s) * s - group).square().sum()) for s in steps]
+def _best(group: torch.Tensor, steps, grid_round, weights=None) -> int:
+    """Index of the step with the lowest float64 squared error of `group` rounded under it (first on a tie),
+    each element's error times `weights` when given."""
+    weights = torch.ones_like(group) if weights is None else weights.double()
+    errors = [float(((grid_round(group / s) * s - group).square() * weights).sum()) for s in steps]
     return min(range(len(errors)), key=lambda i: (errors[i], i)), errors
 
 
@@ -71,13 +73,17 @@ def _e2m1_round(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * grid[(a.unsqueeze(-1) - grid).abs().argmin(-1)]
 
 
-def test_nvfp4_group_scales_are_e4m3_values_a_brute_force_search_picks():
+@pytest.mark.parametrize("weighted", [False, True])
+def test_nvfp4_group_scales_are_e4m3_values_a_brute_force_search_picks(weighted):
+    """Also with each element's error weighted by its column's importance (GPTQ's Hessian diagonal)."""
     w = _weight()
     ct = PRESET_SCHEMES["NVFP4A16"]["weights"]
     gscale = generate_gparam(w.amin(), w.amax())
     groups = w.reshape(w.shape[0], -1, 16)
     absmax_scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), ct, global_scale=gscale)
-    q = nvfp4.quantize(w, search=True)
+    importance = torch.rand(w.shape[1], generator=torch.Generator().manual_seed(1)) ** 4 * 10 if weighted else None
+    col_weights = None if importance is None else importance.reshape(-1, 16)
+    q = nvfp4.quantize(w, search=True, importance=importance)
     assert q.group_scale.dtype == torch.float8_e4m3fn and torch.equal(q.global_scale, gscale.reshape(1))
     chosen = q.group_scale.to(torch.float64)
     g64, gs = groups.double(), float(gscale)
@@ -87,7 +93,8 @@ def test_nvfp4_group_scales_are_e4m3_values_a_brute_force_search_picks():
             if base is None or not bool(g64[r, c].any()):
                 continue  # an all-zero group: nothing to search, its scale is the absmax rule's
             candidates = [E4M3_VALUES[min(max(base + d, 0), len(E4M3_VALUES) - 1)] for d in scale_search.NVFP4_CODE_OFFSETS]
-            best, errors = _best(g64[r, c], [float(s) / gs for s in candidates], _e2m1_round)
+            best, errors = _best(g64[r, c], [float(s) / gs for s in candidates], _e2m1_round,
+                                 None if col_weights is None else col_weights[c])
             mine = errors[[float(s) for s in candidates].index(float(chosen[r, c]))]
             assert float(chosen[r, c]) in E4M3_VALUES.tolist()
             assert mine <= errors[best] * (1 + 1e-9) + 1e-30, (r, c, mine, errors[best])
@@ -163,3 +170,40 @@ def test_the_searchs_e2m1_rounding_is_as_far_as_the_encoders_everywhere_ties_inc
     y = torch.cat([torch.linspace(-8, 8, 20001), torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0, 7.0])])
     exact = (e2m1.decode(e2m1.encode(y)) - y).abs()
     assert torch.equal((scale_search.e2m1_magnitude(y) - y.abs()).abs(), exact)
+
+
+WEIGHTED_CASES = {  # name: (quantize(w, importance), candidate steps per region [T, regions...] as float64 lists)
+    "nvfp4": (lambda w, imp: nvfp4.quantize(w, search=True, importance=imp), 1, 16),
+    "mxfp4": (lambda w, imp: mxfp4.quantize(w, search=True, importance=imp), 1, 32),
+    "fp8-channel": (lambda w, imp: fp8.quantize(w, "channel", search=True, importance=imp), 1, 128),
+    "fp8-block": (lambda w, imp: fp8.quantize(w, "block", (8, 32), search=True, importance=imp), 8, 32),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WEIGHTED_CASES))
+def test_weighted_search_keeps_each_regions_lowest_weighted_error(case):
+    """With `importance` (GPTQ's Hessian diagonal, one weight per input column), each region's scale is the
+    candidate with the lowest importance-weighted squared error: checked in float64 against every other
+    candidate the unweighted search could pick (the union over all-ones and the weighted choices), and
+    all-ones weights choose exactly as the unweighted search does."""
+    quantize, rows, cols = WEIGHTED_CASES[case]
+    w = _weight()
+    importance = torch.rand(w.shape[1], generator=torch.Generator().manual_seed(1)) ** 4 * 10
+    plain = quantize(w, None).dequantize()
+    assert torch.equal(quantize(w, torch.ones(w.shape[1])).dequantize(), plain)
+    weighted = quantize(w, importance).dequantize()
+    assert not torch.equal(weighted, plain)  # the weights moved some regions' scales
+
+    def weighted_error(w_hat):
+        d = (w.double() - w_hat.double()).square() * importance.double()
+        n, k = d.shape
+        return d.reshape(n // rows, rows, k // cols, cols).sum(dim=(1, 3))
+
+    # every region's weighted error is at most the unweighted choice's (both are candidates of the search)
+    assert bool((weighted_error(weighted) <= weighted_error(plain) * (1 + 1e-9) + 1e-30).all())
+    assert float(weighted_error(weighted).sum()) < float(weighted_error(plain).sum())
+
+
+def test_importance_of_the_wrong_width_is_refused():
+    with pytest.raises(QuantkitError, match="does not fit"):
+        nvfp4.quantize(_weight(), search=True, importance=torch.ones(64))

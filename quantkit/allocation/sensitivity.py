@@ -119,7 +119,8 @@ def quantized_weight(quantizer, weight: torch.Tensor, H: torch.Tensor, scheme: L
         _, stats = gptq_quantize(weight, H, scheme.bits, scheme.group_size, scheme.sym,
                                  block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
                                  act_order=bool(o["desc_act"]), static_groups=bool(o["static_groups"]),
-                                 mse=bool(o["mse"]), return_dequant=True)
+                                 mse=bool(o["mse"]), weighted_search=bool(o["weighted_search"]),
+                                 sym_range=o["sym_range"], return_dequant=True)
         return stats["dequant"].to(weight.dtype)
     return rtn_quantize(weight, scheme.bits, scheme.group_size, scheme.sym,
                         **quantizer.uncalibrated_grid_options()).dequantize().to(weight.dtype)

@@ -52,21 +52,21 @@ class FixedFloatGrid:
 
 
 def fixed_grid(weight: torch.Tensor, weights: QuantArgs, global_scale: Optional[torch.Tensor] = None,
-               search: Optional[bool] = None) -> FixedFloatGrid:
+               search: Optional[bool] = None, importance: Optional[torch.Tensor] = None) -> FixedFloatGrid:
     """The format's scales for `weight` [N, K] under the weights args (FP8 tensor/channel/block, NVFP4 under
     `global_scale` when given, MXFP4), with round-to-nearest's range search (`scale_search`) when `search`
-    says so (None: the format's default)."""
+    says so (None: the format's default), its error weighted per input column by `importance` [K] when given."""
     w = weight.detach().to(torch.float32)
     if weights.kind == "float" and weights.bits in (4, 8):
         search = scale_search.enabled(weights, search)
     if (weights.kind, weights.bits) == ("float", 8):
-        q = fp8.quantize(w, weights.strategy, weights.block_size, search=search)
+        q = fp8.quantize(w, weights.strategy, weights.block_size, search=search, importance=importance)
         step = q.element_scale()
     elif weights.strategy == "tensor_group":
-        q = nvfp4.quantize(w, gscale=global_scale, search=search)
+        q = nvfp4.quantize(w, gscale=global_scale, search=search, importance=importance)
         step = (q.group_scale.to(torch.float32) / q.global_scale).repeat_interleave(nvfp4.GROUP_SIZE, dim=1)
     elif (weights.kind, weights.bits, weights.strategy) == ("float", 4, "group"):
-        q = mxfp4.quantize(w, search=search)
+        q = mxfp4.quantize(w, search=search, importance=importance)
         step = e8m0.decode(q.scale_codes).repeat_interleave(mxfp4.GROUP_SIZE, dim=1)
     else:
         raise QuantkitError(f"no fixed float grid for {weights.kind} {weights.bits}-bit {weights.strategy} weights")

@@ -55,7 +55,8 @@ def _nonzero(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
 
 
-def _searched(x: torch.Tensor, amax: torch.Tensor, region_dims: tuple[int, ...]) -> torch.Tensor:
+def _searched(x: torch.Tensor, amax: torch.Tensor, region_dims: tuple[int, ...],
+              importance: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The scale (shaped like `amax`, which broadcasts over x with the region's dims of size 1) among
     absmax / 448 times each clip ratio with the lowest squared E4M3 rounding error over its region."""
     ratios = torch.tensor(scale_search.FP8_CLIP_RATIOS, dtype=torch.float32, device=x.device)
@@ -65,27 +66,29 @@ def _searched(x: torch.Tensor, amax: torch.Tensor, region_dims: tuple[int, ...])
     def nearest(y: torch.Tensor) -> torch.Tensor:
         return e4m3.to_e4m3(y).to(torch.float32)
 
-    best = scale_search.lowest_error(x, candidates, nearest, reduce_dims=region_dims)
+    best = scale_search.lowest_error(x, candidates, nearest, reduce_dims=region_dims, importance=importance)
     return scale_search.take(candidates, best)
 
 
 def quantize(weight: torch.Tensor, strategy: str, block_size: Optional[tuple[int, int]] = None,
-             search: bool = False) -> Fp8Weight:
+             search: bool = False, importance: Optional[torch.Tensor] = None) -> Fp8Weight:
     """Round-to-nearest FP8 of a 2-D weight [N, K] under the given scale strategy. With `search`, each scale is
     absmax / 448 times the clip ratio (`scale_search.FP8_CLIP_RATIOS`) that rounds its region with the lowest
-    squared error."""
+    squared error, each element's weighted by its column's `importance` [K] when given."""
     if strategy not in STRATEGIES:
         raise QuantkitError(f"FP8 weights take strategy tensor, channel or block, not {strategy!r}")
     if weight.ndim != 2:
         raise QuantkitError(f"FP8 quantization takes a 2-D weight, got shape {tuple(weight.shape)}")
     w = weight.to(torch.float32)
     if strategy == "tensor":
-        scale = _searched(w, w.abs().amax().reshape(1, 1), (0, 1)).reshape(1) if search \
+        imp = scale_search.column_weights(importance, 1, w.shape[1])
+        scale = _searched(w, w.abs().amax().reshape(1, 1), (0, 1), imp).reshape(1) if search \
             else scale_of_absmax(w.abs().amax().reshape(1))
         expanded = scale
     elif strategy == "channel":
         amax = w.abs().amax(dim=1, keepdim=True)
-        scale = _searched(w, amax, (1,)) if search else scale_of_absmax(amax)
+        imp = scale_search.column_weights(importance, 1, w.shape[1])
+        scale = _searched(w, amax, (1,), imp) if search else scale_of_absmax(amax)
         expanded = scale
     else:
         if block_size is None:
@@ -96,7 +99,9 @@ def quantize(weight: torch.Tensor, strategy: str, block_size: Optional[tuple[int
         padded = torch.nn.functional.pad(w, (0, kb * cols - k, 0, nb * rows - n))
         blocks = padded.reshape(nb, rows, kb, cols)
         block_amax = blocks.abs().amax(dim=(1, 3))
-        scale = _searched(blocks, block_amax.view(nb, 1, kb, 1), (1, 3)).view(nb, kb) if search \
+        imp = None if importance is None else torch.nn.functional.pad(importance.to(torch.float32), (0, kb * cols - k))
+        imp = scale_search.column_weights(imp, 1, 1, kb, cols)
+        scale = _searched(blocks, block_amax.view(nb, 1, kb, 1), (1, 3), imp).view(nb, kb) if search \
             else scale_of_absmax(block_amax)
         expanded = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:n, :k]
     return Fp8Weight(e4m3.to_e4m3(w / expanded), scale, strategy, tuple(block_size) if block_size else None)

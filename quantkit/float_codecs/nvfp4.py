@@ -44,11 +44,13 @@ def check_grouped_shape(weight: torch.Tensor, group_size: int, name: str) -> Non
                             f"got shape {tuple(weight.shape)}; leave this layer unquantized (--ignore)")
 
 
-def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None, search: bool = False) -> Nvfp4Weight:
+def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None, search: bool = False,
+             importance: torch.Tensor | None = None) -> Nvfp4Weight:
     """Round-to-nearest NVFP4 of a 2-D weight [N, K] (K a multiple of 16), under `gscale` when given (an
     activation's calibrated input_global_scale), else the weight's own `global_scale`. With `search`, each
     group's E4M3 scale is the one among its absmax scale and that scale's E4M3 neighbours that rounds the group
-    with the lowest squared error (`scale_search`)."""
+    with the lowest squared error (`scale_search`), each element's weighted by its column's `importance` [K] when
+    given (GPTQ passes its Hessian's diagonal: the error the layer's output sees)."""
     check_grouped_shape(weight, GROUP_SIZE, "NVFP4")
     w = weight.to(torch.float32)
     n, k = w.shape
@@ -58,13 +60,14 @@ def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None, search: b
     local = gscale * (groups.abs().amax(dim=-1) / torch.tensor(e2m1.MAX, device=w.device))
     scale = e4m3.to_e4m3(local).to(torch.float32)
     if search:
-        scale = _searched_group_scales(groups, scale, gscale)
+        scale = _searched_group_scales(groups, scale, gscale, scale_search.column_weights(importance, 1, *groups.shape[1:]))
     scale = torch.where(scale == 0, torch.tensor(0.125, device=w.device), scale)
     codes = e2m1.encode(groups / (scale / gscale).unsqueeze(-1))
     return Nvfp4Weight(codes.reshape(n, k), scale.to(e4m3.DTYPE), gscale)
 
 
-def _searched_group_scales(groups: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
+def _searched_group_scales(groups: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor,
+                           importance: torch.Tensor | None = None) -> torch.Tensor:
     """Each group's E4M3 scale (float32 [N, G]) chosen among `scale` (the absmax one) and its E4M3 neighbours
     (code offsets `scale_search.NVFP4_CODE_OFFSETS`, kept within 2**-9 .. 448): the lowest squared error of
     the group rounded under it."""
@@ -74,5 +77,6 @@ def _searched_group_scales(groups: torch.Tensor, scale: torch.Tensor, gscale: to
     codes[0] = code  # candidate 0 is the absmax scale itself, zero included
     candidates = codes.to(torch.uint8).view(e4m3.DTYPE).to(torch.float32).unsqueeze(-1)  # [T, N, G, 1]
     steps = torch.where(candidates == 0, torch.ones_like(candidates), candidates) / gscale
-    best = scale_search.lowest_error(groups.abs(), steps, scale_search.e2m1_magnitude, reduce_dims=(-1,))
+    best = scale_search.lowest_error(groups.abs(), steps, scale_search.e2m1_magnitude, reduce_dims=(-1,),
+                                     importance=importance)
     return scale_search.take(candidates, best).squeeze(-1)

@@ -60,16 +60,30 @@ def e2m1_magnitude(y: torch.Tensor) -> torch.Tensor:
     return torch.round(a / step).mul_(step)
 
 
+def column_weights(importance: Optional[torch.Tensor], *shape: int) -> Optional[torch.Tensor]:
+    """A weight's per-input-column `importance` [K] (>= 0; GPTQ's Hessian diagonal) reshaped to `shape`, the
+    view that broadcasts over the search's regions (e.g. [1, G, 16] for NVFP4's [N, G, 16] groups). None stays
+    None."""
+    if importance is None:
+        return None
+    if importance.numel() != int(torch.tensor(shape).prod()):
+        raise QuantkitError(f"an importance of {importance.numel()} input columns does not fit the view {shape}")
+    return importance.to(torch.float32).clamp(min=0).reshape(shape)
+
+
 def lowest_error(x: torch.Tensor, steps: torch.Tensor, round_to_grid: Callable[[torch.Tensor], torch.Tensor],
-                 reduce_dims: tuple[int, ...]) -> torch.Tensor:
+                 reduce_dims: tuple[int, ...], importance: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Index (into the first axis of `steps`) of the candidate step with the lowest sum of squared rounding
     error of `x`, per region. `steps` [T, *shape broadcastable to x]; `round_to_grid(y)` the nearest grid
     value of y (E4M3, saturating; or `e2m1_magnitude`, with x the magnitudes); `reduce_dims` the dims of x
-    one region spans. The first minimum wins, so candidate 0 (the absmax scale) is kept on a tie. The reduced
-    dims are kept (size 1)."""
+    one region spans; `importance` (broadcastable to x with a first dim of 1: `column_weights`) weighs each
+    element's squared error. The first minimum wins, so candidate 0 (the absmax scale) is kept on a tie. The
+    reduced dims are kept (size 1)."""
+    if importance is not None and importance.shape[0] != 1:  # the row slabs below rely on it
+        raise QuantkitError("the search's importance must broadcast over x's first dim (shape [1, ...])")
     dims = tuple(d % x.ndim for d in reduce_dims)
     if 0 in dims:  # one region spans the first dim (FP8 per tensor): a candidate at a time
-        errors = [_squared_error(x, step, round_to_grid, dims) for step in steps]
+        errors = [_squared_error(x, step, round_to_grid, dims, importance) for step in steps]
         return torch.stack(errors).argmin(dim=0)
     # every candidate at once ([T, rows, ...]: few, large ops, which a busy machine schedules far better than
     # many small ones), a slab of rows at a time so that the temporaries stay near CANDIDATE_CHUNK_ELEMENTS
@@ -79,16 +93,20 @@ def lowest_error(x: torch.Tensor, steps: torch.Tensor, round_to_grid: Callable[[
     for r0 in range(0, x.shape[0], rows):
         xs = x[r0:r0 + rows]
         st = steps[:, r0:r0 + rows] if steps.shape[1] > 1 else steps
-        out.append(_squared_error(xs.unsqueeze(0), st, round_to_grid, tuple(d + 1 for d in dims)).argmin(dim=0))
+        out.append(_squared_error(xs.unsqueeze(0), st, round_to_grid, tuple(d + 1 for d in dims), importance)
+                   .argmin(dim=0))
     return torch.cat(out)
 
 
 CANDIDATE_CHUNK_ELEMENTS = 1 << 24  # 64 MB of float32 per temporary
 
 
-def _squared_error(x: torch.Tensor, step: torch.Tensor, round_to_grid, dims: tuple[int, ...]) -> torch.Tensor:
-    d = round_to_grid(x / step).mul_(step).sub_(x)
-    return d.square_().sum(dim=dims, keepdim=True)
+def _squared_error(x: torch.Tensor, step: torch.Tensor, round_to_grid, dims: tuple[int, ...],
+                   importance: Optional[torch.Tensor] = None) -> torch.Tensor:
+    d = round_to_grid(x / step).mul_(step).sub_(x).square_()
+    if importance is not None:
+        d.mul_(importance)
+    return d.sum(dim=dims, keepdim=True)
 
 
 def take(candidates: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

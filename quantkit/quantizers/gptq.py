@@ -42,6 +42,9 @@ class GPTQQuantizer(Quantizer):
         # each group's range shrunk to its lowest rounding error (grid.find_qparams): lower KL on both
         # held-out texts (docs/defaults.yaml), computed once per group with static groups
         "mse": True,
+        # the search weighs each weight's rounding error by its input's mean square (the Hessian's
+        # diagonal), as the layer's output error does: lower KL on both held-out texts (docs/defaults.yaml)
+        "weighted_search": True,
         # where a symmetric group's grid puts +-absmax (quantizers.grid.SYM_RANGES): "full" is
         # auto-round's signed absmax/8 (docs/signround.md has its measurement)
         "sym_range": "centred",
@@ -127,7 +130,7 @@ class GPTQQuantizer(Quantizer):
             comm, name, weight if grid is None else grid.shifted(weight), H, bits=scheme.bits, group_size=scheme.group_size,
             sym=scheme.sym, block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
             act_order=bool(o["desc_act"]), static_groups=bool(o["static_groups"]), mse=bool(o["mse"]),
-            sym_range=o["sym_range"], qparams=None if grid is None else (grid.scale, grid.zero),
+            weighted_search=bool(o["weighted_search"]), sym_range=o["sym_range"], qparams=None if grid is None else (grid.scale, grid.zero),
             return_rounded=self.keep_rounded and grid is None,
         )
         rounded = stats.pop("rounded", None)

@@ -440,7 +440,7 @@ def _updated_columns(WT, Hinv, Err1, c1: int, c2: int, i1: int, s1: int, s2: int
 
 
 def _solve_columns(WT, codesT, QT, row_loss, Hinv, col_group, gs, bits, sym, mse, block_size, static,
-                   sym_range="centred"):
+                   sym_range="centred", importance=None):
     """GPTQ's column loop over the transposed weights WT [k, n] (codesT, QT, row_loss filled in
     place). Returns the scales and lowest centred codes of the groups it formed, in processing
     order (empty lists with static groups).
@@ -478,7 +478,8 @@ def _solve_columns(WT, codesT, QT, row_loss, Hinv, col_group, gs, bits, sym, mse
                     current_group = g
                     if col_group is None:  # a new group: its scale from the fully updated weights
                         xg = _updated_columns(WT, Hinv, Err1, col, col + gs, i1, s1, s2, i2)
-                        s_new, z_new = find_qparams(xg.t(), bits, sym, mse, sym_range=sym_range)
+                        imp = None if importance is None else importance[col:col + gs].view(1, -1)
+                        s_new, z_new = find_qparams(xg.t(), bits, sym, mse, sym_range=sym_range, importance=imp)
                         group_scale.append(s_new)
                         group_lo.append(-z_new)
                         group_hi.append(maxq - z_new)
@@ -503,12 +504,15 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
                   block_size: int = 128, damp_percent: float = 0.01, act_order: bool = False,
                   static_groups: bool = False, mse: bool = False, bias: Optional[torch.Tensor] = None,
                   return_dequant: bool = False, qparams: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                  return_rounded: bool = False, sym_range: str = "centred") -> tuple[QuantizedWeight, dict]:
+                  return_rounded: bool = False, sym_range: str = "centred",
+                  weighted_search: bool = False) -> tuple[QuantizedWeight, dict]:
     """Quantize weight [N, K] with GPTQ given the layer-input Hessian H [K, K].
 
     `qparams` = (scale, zero), float32 [N, K / group_size] each: a grid fixed in advance by a target
     format (GGUF's blocks), used like static groups instead of computing scales from the weights.
     `sym_range`: where a symmetric group's grid puts +-absmax (quantizers.grid.SYM_RANGES).
+    `weighted_search`: with `mse`, each group's range search weighs a weight's rounding error by its
+    input's mean square (H's diagonal), as the layer's output error does, instead of counting all alike.
 
     Returns the QuantizedWeight in the original column order and a stats dict:
     loss (the reference "error": sum of err^2 / 2), damp (absolute value added to diag H),
@@ -541,10 +545,13 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
     maxq = max_code(bits)
 
     n_dead = zero_dead_inputs_(W, H)
+    # the range search's weights (grid.find_qparams): each input's mean square, H's diagonal before damping
+    importance = torch.diagonal(H).clamp(min=0).clone() if weighted_search and mse else None
 
     static_scale = static_zero = None
     if group_size == -1:
-        static_scale, static_zero = find_qparams(W, bits, sym, mse, sym_range=sym_range)  # one group: order-free
+        static_scale, static_zero = find_qparams(W, bits, sym, mse, sym_range=sym_range,  # one group: order-free
+                                                 importance=None if importance is None else importance.view(1, k))
         static_scale, static_zero = static_scale.unsqueeze(1), static_zero.unsqueeze(1)
     elif qparams is not None:  # a target format's fixed grid
         static_scale, static_zero = (q.to(device=dev, dtype=torch.float32) for q in qparams)
@@ -552,7 +559,8 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
             raise ValueError(f"qparams must be [{n}, {n_groups}] each, got {tuple(static_scale.shape)}")
         static_groups = True
     elif static_groups:  # all groups up front, from the original weights in original order
-        s, z = find_qparams(W.reshape(n * n_groups, gs), bits, sym, mse, sym_range=sym_range)
+        imp = None if importance is None else importance.view(1, n_groups, gs).expand(n, n_groups, gs).reshape(-1, gs)
+        s, z = find_qparams(W.reshape(n * n_groups, gs), bits, sym, mse, sym_range=sym_range, importance=imp)
         static_scale, static_zero = s.view(n, n_groups), z.view(n, n_groups)
 
     perm = invperm = None
@@ -582,7 +590,8 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int, group_size: 
         static = (static_scale.t().contiguous(), (-static_zero).t().contiguous(), (maxq - static_zero).t().contiguous())
     with _single_thread_on_cpu(dev):
         group_scale, group_lo = _solve_columns(WT, codesT, QT, row_loss, Hinv, col_group, gs, bits, sym, mse,
-                                               block_size, static, sym_range)
+                                               block_size, static, sym_range,
+                                               importance if importance is None or perm is None else importance[perm])
     # the zero point of every group ([groups, n]; dynamic groups in processing order), added back
     zero_table = static_zero.t() if static_scale is not None else -torch.stack(group_lo)
     processed_group = (torch.tensor(col_group, device=dev) if col_group is not None

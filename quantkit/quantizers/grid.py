@@ -8,6 +8,8 @@ the codes are computed, so a packed checkpoint dequantizes to exactly what the q
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from quantkit.errors import QuantkitError
@@ -127,9 +129,16 @@ def fake_quantize_grouped(w: torch.Tensor, scheme, sym_range: str = "centred") -
 
 def find_qparams(x: torch.Tensor, bits: int, sym: bool, mse: bool = False,
                  grid: int = MSE_GRID, maxshrink: float = MSE_MAXSHRINK, norm: float = MSE_NORM,
-                 coarse_step: int = MSE_COARSE_STEP, sym_range: str = "centred"):
+                 coarse_step: int = MSE_COARSE_STEP, sym_range: str = "centred",
+                 importance: Optional[torch.Tensor] = None):
     """Scale/zero per row of x [rows, cols] (fp32 [rows] each), optionally with the reference
     MSE range-shrink search: shrink factors p = 1 - i/grid for i < maxshrink*grid.
+
+    `importance` ([rows, cols] or [1, cols], >= 0) weighs each element's rounding error in the
+    search: GPTQ passes its Hessian's diagonal (each input's mean square), so a row keeps the range
+    that rounds the weights on the larger inputs best, which is what the layer's output error
+    counts (llama.cpp's imatrix search does the same for its blocks). None: every element counts
+    the same (the reference search).
 
     With coarse_step s > 1 the search first tries every s-th factor, then the s - 1 factors on each
     side of each row's best coarse one: (n/s + 2s - 2) trials instead of n (27 of 80 at s = 4).
@@ -143,14 +152,14 @@ def find_qparams(x: torch.Tensor, bits: int, sym: bool, mse: bool = False,
     step = max(1, int(coarse_step))
     # row i tries shrink index idx[i, t]: first every step-th index for every row ...
     coarse = torch.arange(0, n_p, step, device=x.device).expand(x.shape[0], -1)
-    err, scale, zero = _shrink_errors(x, coarse, bits, sym, grid, norm, sym_range)
+    err, scale, zero = _shrink_errors(x, coarse, bits, sym, grid, norm, sym_range, importance)
     best = err.argmin(dim=1)  # first minimum: the largest p wins ties, like the reference's strict <
     if step == 1:
         return _pick(scale, best), _pick(zero, best)
     # ... then the indices around each row's best coarse one (clamped to the range: repeats are harmless)
     centre = coarse.gather(1, best.unsqueeze(1))
     fine = (centre + torch.arange(-(step - 1), step, device=x.device)).clamp_(0, n_p - 1)
-    err, scale, zero = _shrink_errors(x, fine, bits, sym, grid, norm, sym_range)
+    err, scale, zero = _shrink_errors(x, fine, bits, sym, grid, norm, sym_range, importance)
     best = err.argmin(dim=1)
     return _pick(scale, best), _pick(zero, best)
 
@@ -165,7 +174,7 @@ SHRINK_CHUNK_BYTES = 2 << 20
 
 
 def _shrink_errors(x: torch.Tensor, idx: torch.Tensor, bits: int, sym: bool, grid: int, norm: float,
-                   sym_range: str = "centred"):
+                   sym_range: str = "centred", importance: Optional[torch.Tensor] = None):
     """Rounding error sum |fake_quantize(x) - x|^norm of each row of x [rows, cols] on the range
     shrunk by p = 1 - idx/grid for every index in idx [rows, trials]; returns err, scale and zero,
     each [rows, trials]. Rows are evaluated a cache-sized chunk at a time, every trial at once."""
@@ -196,5 +205,8 @@ def _shrink_errors(x: torch.Tensor, idx: torch.Tensor, bits: int, sym: bool, gri
             q.add_(zc).clamp_(0, maxq).sub_(zc)
         d = q.mul_(s).sub_(xs).abs_()
         # |d|**norm as exp(norm*log|d|): ~3x faster than pow on CPU, equal to a few ulp (0 -> 0)
-        err[r0:r0 + chunk] = d.log_().mul_(norm).exp_().sum(dim=2)
+        d = d.log_().mul_(norm).exp_()
+        if importance is not None:
+            d.mul_((importance if importance.shape[0] == 1 else importance[r0:r0 + chunk]).unsqueeze(1))
+        err[r0:r0 + chunk] = d.sum(dim=2)
     return err, scale, zero
