@@ -303,7 +303,7 @@ def _check_float_preset(p: SchemePreset, recipe: Recipe, options: Optional[dict]
     declared = recipe.transforms[0].options_spec if first is not None else {}
     if first is not None:  # the transform's options are the pass's, as given (a default-valued one too); its
         asked = {**given, **(options or {})}  # refusals (a preset it cannot serve, an option it does not take) first
-        first.build(p, **{k: v for k, v in asked.items() if k in declared})
+        first.make(p, {k: v for k, v in asked.items() if k in declared})
         given = {k: v for k, v in given.items() if k not in declared}
     if p.weights.kind == "int":  # W4AFP8: the integer RTN / GPTQ steps with their own options
         layout_of(p)

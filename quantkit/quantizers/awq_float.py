@@ -26,7 +26,7 @@ from quantkit.scheme_presets import SchemePreset
 OPTIONS = ("duo_scaling", "n_grid", "full_grid", "max_search_tokens", "token_search_tokens", "inputs", "gqa_v_o")
 
 
-class FloatAWQ(AWQTransform):
+class FloatAWQ(float_passes.PresetTransform, AWQTransform):
     """AWQ's scale search judged on `preset`'s weight grid (module docstring)."""
 
     name = "awq"
@@ -35,22 +35,13 @@ class FloatAWQ(AWQTransform):
         if preset.weights.kind != "float":
             raise QuantkitError(f"--scheme {preset.name} has integer weights: AWQ before it is not built yet; use "
                                 "--method rtn or gptq (or an integer scheme with --method awq)")
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise QuantkitError(f"awq before --scheme {preset.name} takes {', '.join(OPTIONS)}; drop "
-                                f"{', '.join(unknown)} (the format's range search, mse, plays clipping's part)")
         super().__init__(**options, clip=False)
         self.preset = preset
         self.needs_calibration = True
-
-    def check_scheme(self, scheme) -> None:
-        """Any scheme: the preset, not the integer path's scheme, says what the weights become."""
-
-    def planned_spec(self, spec):
-        return spec
 
     def _fake_weight(self, name: str, w: torch.Tensor, scheme: LinearScheme) -> torch.Tensor:
         return fixed_grid(w, self.preset.weights).rtn.dequantize()
 
 
-PASS = float_passes.register(float_passes.FloatPass("awq", FloatAWQ, OPTIONS))
+PASS = float_passes.register(float_passes.FloatPass(
+    "awq", FloatAWQ, OPTIONS, refusal_hint=" (the format's range search, mse, plays clipping's part)"))

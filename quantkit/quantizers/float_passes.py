@@ -53,14 +53,40 @@ class KeepWeights(Quantizer):
         return _Unchanged(module.weight.data)  # type: ignore[return-value]
 
 
+class PresetTransform:
+    """Mixed into a pass's transform (before its integer transform class): the preset, not the integer path's
+    per-linear scheme, says what the weights become, so any scheme passes and the plan's spec stays as it is."""
+
+    def check_scheme(self, scheme) -> None:
+        """Any scheme (see the class docstring)."""
+
+    def planned_spec(self, spec):
+        return spec
+
+
 @dataclass(frozen=True)
 class FloatPass:
-    """A transform the float writer runs first: `build(preset, **options)` makes the step (and refuses a preset
-    or option it cannot serve); `options` are those it takes before a float preset."""
+    """A transform the float writer runs first: `make(preset, options)` makes the step (and refuses a preset
+    or option it cannot serve); `options` are those it takes before a float preset. An option outside them is
+    refused with its own reason where `reasons` has one ((option, message with {preset}) pairs), else naming
+    the options it takes, followed by `refusal_hint`."""
 
     name: str
     build: Callable[..., Transform]
     options: tuple[str, ...]
+    refusal_hint: str = ""
+    reasons: tuple[tuple[str, str], ...] = ()
+
+    def make(self, preset: SchemePreset, options: dict) -> Transform:
+        """The pass's transform for `preset`; an option it does not take is refused (class docstring)."""
+        unknown = sorted(set(options) - set(self.options))
+        for option, reason in self.reasons:
+            if option in unknown:
+                raise QuantkitError(reason.format(preset=preset.name))
+        if unknown:
+            raise QuantkitError(f"{self.name} before --scheme {preset.name} takes {', '.join(self.options)}; drop "
+                                f"{', '.join(unknown)}{self.refusal_hint}")
+        return self.build(preset, **options)
 
     def split(self, options: dict) -> tuple[dict, dict]:
         """(this pass's options, the rest: the rounding's or GPTQ's)."""
@@ -110,11 +136,7 @@ def run_pass(model: nn.Module, preset: SchemePreset, p: FloatPass, linears: list
     if calibration is None:
         raise QuantkitError(f"{p.name} before --scheme {preset.name} measures activations: it needs calibration "
                             "token ids")
-    unknown = sorted(set(options) - set(p.options))
-    if unknown:
-        raise QuantkitError(f"{p.name} before --scheme {preset.name} takes {', '.join(p.options)}; drop "
-                            f"{', '.join(unknown)}")
-    step = p.build(preset, **options)
+    step = p.make(preset, options)
     quantize_model(model, get_adapter(model), Recipe([step, KeepWeights()]), dict.fromkeys(linears, pass_scheme(preset)),
                    calibration, batch_size=batch_size, progress=progress)
     return step

@@ -35,14 +35,12 @@ from quantkit.scheme_presets import SchemePreset
 OPTIONS = ("smooth", "alpha", "alpha_step", "search_tokens")
 
 
-class FloatSmoothing(SmoothQuantTransform):
+class FloatSmoothing(float_passes.PresetTransform, SmoothQuantTransform):
     """SmoothQuant whose alpha search simulates `preset`'s weight and activation grids (module docstring)."""
 
     name = "smoothquant"
 
     def __init__(self, preset: SchemePreset, **options):
-        if "activations" in options:
-            raise QuantkitError(f"--scheme {preset.name} sets its own input activations; drop the activations option")
         if preset.input_activations is None:
             raise QuantkitError(f"--scheme {preset.name} quantizes weights only: SmoothQuant moves activation range "
                                 "into the weights, which helps only where activations are quantized; drop "
@@ -54,12 +52,6 @@ class FloatSmoothing(SmoothQuantTransform):
         w = preset.weights
         self._int_scheme = (LinearScheme(bits=w.bits, group_size=w.group_size if w.strategy == "group" else -1,
                                          sym=w.symmetric) if w.kind == "int" else None)
-
-    def check_scheme(self, scheme) -> None:
-        """Any scheme: the preset, not the integer path's scheme, says what the weights become."""
-
-    def planned_spec(self, spec):
-        return spec
 
     def finalize(self, name: str, qw):
         return qw
@@ -82,7 +74,9 @@ class FloatSmoothing(SmoothQuantTransform):
         return activations.fake_quantize(x, self.preset.input_activations, None if static is None else static[1])
 
 
-PASS = float_passes.register(float_passes.FloatPass("smoothquant", FloatSmoothing, OPTIONS))
+PASS = float_passes.register(float_passes.FloatPass(
+    "smoothquant", FloatSmoothing, OPTIONS,
+    reasons=(("activations", "--scheme {preset} sets its own input activations; drop the activations option"),)))
 
 
 def smooth(model: nn.Module, preset: SchemePreset, linears: list[str], calibration: Optional[torch.Tensor],
