@@ -215,6 +215,18 @@ def print_table(rows: list[dict]) -> None:
           f"relative to '{REFERENCE_ROW}' (lee/wiki)")
 
 
+def print_times(rows: list[dict]) -> None:
+    """Each row's quantization time and its ratio to the reference row's, measured in this run."""
+    ref = next((r for r in rows if r["row"] == REFERENCE_ROW and not r.get("reused")), None)
+    print(f"{'row':20} {'seconds':>8} {'wall s':>7} {'cpu s':>7} {'/ref s':>7} {'/ref wall':>9}")
+    for r in rows:
+        ratios = (f"{r['seconds'] / ref['seconds']:7.3f} {r['process_s'] / ref['process_s']:9.3f}" if ref
+                  else f"{'-':>7} {'-':>9}")
+        print(f"{r['row']:20} {r['seconds']:8.1f} {_n(r['process_s'])} {_n(r['cpu_s'])} {ratios}"
+              f"{'  * ' + r['measured_at'] if r.get('reused') else ''}")
+    print(f"ratios against '{REFERENCE_ROW}' quantized in this run (seconds: the quantization call; wall: the process)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo")
@@ -235,6 +247,9 @@ def main() -> None:
     ap.add_argument("--paired", default=None, metavar="ROW",
                     help="also print every row's KL and perplexity difference to this row, window by window, with "
                          "its paired standard error")
+    ap.add_argument("--timing-only", action="store_true",
+                    help="quantize the rows and print their times only, no scoring (a quiet machine's timing run; "
+                         "the KL rows come from a run with scoring)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.rows = set(r.strip() for r in args.rows.split(",")) if args.rows else None
@@ -244,6 +259,9 @@ def main() -> None:
     peer_folder = write_calibration_ids(args.model, args.num_samples, args.seq_len, calib_ids)
     t0 = time.perf_counter()
     rows = quantize_rows(args, work, calib_ids, peer_folder)
+    if args.timing_only:
+        print_times(rows)
+        return
     score_rows(args, rows)
     (work / "scores.json").write_text(json.dumps({"rows": rows}))  # kept whatever the printing below does
     print(f"calibration: {args.num_samples} x {args.seq_len} Lee tokens, seed 0, identical ids for every tool; "

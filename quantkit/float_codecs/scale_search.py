@@ -10,6 +10,8 @@ file still holds exactly what the format defines:
   MXFP4  the group's E8M0 exponent e and e - 1 (half the step: the largest weights saturate at 6)
   FP8    the channel's / block's / tensor's absmax / 448 times clip ratios `FP8_CLIP_RATIOS`
 The absmax scale is always candidate 0 and ties keep it, so the search never raises the error.
+GPTQ weighs each element's error by its input column's importance (the Hessian's diagonal, `column_weights`),
+so a region keeps the scale that rounds the weights on the large inputs best.
 
 Whether each format uses it by default (`DEFAULT_ON`) follows the KL measured side by side on lee and wiki
 (docs/float-schemes.md, scripts/bench_float_schemes.py): on only where it lowered KL on both.
