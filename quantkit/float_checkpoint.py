@@ -174,15 +174,21 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     if first is not None:  # exact in full precision: everything below sees the transformed model
         float_passes.run_pass(model, preset, first, pipeline_linears(model, tuple(ignore))[1], calibration,
                               pass_options, batch_size, progress)
-    # measured before GPTQ fake-quantizes the model's weights: the inputs of the model as given
+    # static input scales: with float GPTQ, from the inputs its pipeline observes (each linear's, with everything
+    # before it already quantized, as in the checkpoint); otherwise from a forward of the model as given
+    scales_from_gptq = preset.calibrates_activations and method == "gptq" and not integer
     input_scales = _input_scales(model, preset, tuple(ignore), calibration, batch_size) \
-        if preset.calibrates_activations else {}
+        if preset.calibrates_activations and not scales_from_gptq else {}
     if integer:
         results = _integer_results(model, preset, tuple(ignore), method, calibration, options, batch_size,
                                    progress)
+    elif method == "gptq":
+        results, absmax = _gptq_results(model, preset, tuple(ignore), calibration, options, batch_size, progress,
+                                        record_input_absmax=scales_from_gptq)
+        if scales_from_gptq:
+            input_scales = _input_scales(model, preset, tuple(ignore), absmax=absmax)
     else:
-        results = _gptq_results(model, preset, tuple(ignore), calibration, options, batch_size, progress) \
-            if method == "gptq" else None
+        results = None
     with _experts_as_linears(model) as adapter:
         rename = adapter.checkpoint_name if adapter is not None else (lambda n: n)
         full_precision = set(adapter.full_precision_modules(model)) if adapter is not None else set()
@@ -207,9 +213,12 @@ def _quantized_names(model: torch.nn.Module, patterns: tuple[str, ...], full_pre
 
 
 def _input_scales(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
-                  calibration: torch.Tensor, batch_size: int) -> dict[str, tuple[str, torch.Tensor]]:
+                  calibration: Optional[torch.Tensor] = None, batch_size: int = 8,
+                  absmax: Optional[dict[str, torch.Tensor]] = None) -> dict[str, tuple[str, torch.Tensor]]:
     """{linear name (experts per linear): (tensor suffix, value)} of the preset's static input scales, from
-    each quantized linear's input absmax over `calibration` (NVFP4: fused siblings share their maximum)."""
+    each quantized linear's input absmax: `absmax` as observed elsewhere (GPTQ's pipeline; a linear no token
+    reached, an MoE expert never routed to, counts 0 as in `input_absmax`), else measured over `calibration`
+    with a forward of `model` (NVFP4: fused siblings share their maximum)."""
     from quantkit.activation_absmax import input_absmax
     from quantkit.float_codecs.fused_global_scale import shared_absmax
     from quantkit.float_codecs.input_scales import NVFP4_INPUT_GLOBAL_SCALE, input_scale_for, tensor_name
@@ -217,7 +226,11 @@ def _input_scales(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[
     acts = preset.input_activations
     with _experts_as_linears(model) as adapter:
         full_precision = set(adapter.full_precision_modules(model)) if adapter is not None else set()
-        absmax = input_absmax(model, _quantized_names(model, patterns, full_precision), calibration, batch_size)
+        names = _quantized_names(model, patterns, full_precision)
+        if absmax is None:
+            absmax = input_absmax(model, names, calibration, batch_size)
+        else:
+            absmax = {n: absmax.get(n, torch.zeros((), dtype=torch.float32)) for n in names}
         if tensor_name(acts) == NVFP4_INPUT_GLOBAL_SCALE:
             absmax = shared_absmax(model, absmax)
     return {name: input_scale_for(acts, a) for name, a in absmax.items()}
@@ -260,8 +273,10 @@ def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tup
 
 
 def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
-                  calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool) -> dict:
-    """{linear name: FloatResult} of GPTQ on the preset's grid, from quantkit's calibration pipeline."""
+                  calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool,
+                  record_input_absmax: bool = False) -> tuple[dict, Optional[dict]]:
+    """({linear name: FloatResult} of GPTQ on the preset's grid, from quantkit's calibration pipeline; with
+    `record_input_absmax`, {linear name: the absmax of the inputs GPTQ observed}, else None)."""
     from quantkit.pipeline import quantize_model
     from quantkit.quantizers.gptq_float import FloatGPTQ
     from quantkit.scheme import LinearScheme
@@ -270,8 +285,11 @@ def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[
         raise QuantkitError(f"--scheme {preset.name} with --method gptq needs calibration data (token ids)")
     adapter, names = pipeline_linears(model, patterns)
     step = FloatGPTQ(preset.weights, **options)
+    if record_input_absmax:
+        step.record_input_absmax()
     schemes = dict.fromkeys(names, LinearScheme(bits=preset.weights.bits, group_size=-1, sym=True))
-    return quantize_model(model, adapter, step, schemes, calibration, batch_size=batch_size, progress=progress)
+    results = quantize_model(model, adapter, step, schemes, calibration, batch_size=batch_size, progress=progress)
+    return results, step.input_absmax
 
 
 def _quantized_state(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],

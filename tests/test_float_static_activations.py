@@ -42,17 +42,44 @@ def _hooked_inputs(model, ids) -> dict[str, torch.Tensor]:
     return {n: torch.cat(v) for n, v in seen.items()}
 
 
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
-def test_fp8_input_scale_is_the_calibration_absmax_over_448(tmp_path, method):
+def test_fp8_input_scale_is_the_calibration_absmax_over_448(tmp_path):
     inputs = _hooked_inputs(_tiny_llama(), CALIBRATION)
-    write(_tiny_llama(), preset("FP8"), tmp_path / "fp8", method=method, calibration=CALIBRATION, batch_size=8)
+    write(_tiny_llama(), preset("FP8"), tmp_path / "fp8", method="rtn", calibration=CALIBRATION, batch_size=8)
     state = load_file(str(tmp_path / "fp8" / "model.safetensors"))
     assert len(inputs) == 14
     for name, x in inputs.items():
         stored = state[f"{name}.input_scale"]
         assert stored.dtype == torch.float32 and stored.shape == (1,)
-        # measured on the model as given (before GPTQ changes its weights), every calibration token
+        # round-to-nearest: measured on the model as given, every calibration token
         torch.testing.assert_close(stored, (x.abs().max() / 448.0).reshape(1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,suffix", [("FP8", "input_scale"), ("NVFP4", "input_global_scale")])
+def test_gptqs_input_scales_are_those_of_the_quantized_models_own_inputs(tmp_path, name, suffix):
+    """With GPTQ the static input scales come from the inputs its pipeline observed: each linear's input with
+    every linear before it (earlier layers, and earlier stages of its own layer) already quantized, which is the
+    input the written checkpoint's linear sees (llm-compressor's sequential pipeline observes the same). The
+    oracle: plain hooks on a forward of the model GPTQ leaves fake-quantized (its weights are the checkpoint's)."""
+    from compressed_tensors.quantization.utils import generate_gparam
+
+    model = _tiny_llama()
+    original = _hooked_inputs(_tiny_llama(), CALIBRATION)
+    write(model, preset(name), tmp_path / "q", method="gptq", calibration=CALIBRATION, batch_size=8)
+    quantized = _hooked_inputs(model, CALIBRATION)  # every linear of `model` now holds its checkpoint weight
+    state = load_file(str(tmp_path / "q" / "model.safetensors"))
+    assert len(quantized) == 14
+    moved = 0
+    for layer in ("model.layers.0", "model.layers.1"):
+        groups = ([f"{layer}.self_attn.{p}_proj" for p in "qkv"], [f"{layer}.self_attn.o_proj"],
+                  [f"{layer}.mlp.gate_proj", f"{layer}.mlp.up_proj"], [f"{layer}.mlp.down_proj"])
+        for group in groups:
+            x = torch.cat([quantized[n] for n in group])  # NVFP4's fused siblings share one; their inputs are one
+            want = ((x.abs().max() / 448.0).reshape(1) if name == "FP8"
+                    else generate_gparam(x.min().reshape(1), x.max().reshape(1)))
+            for n in group:
+                torch.testing.assert_close(state[f"{n}.{suffix}"], want, rtol=1e-6, atol=0)
+                moved += not torch.equal(quantized[n].abs().max(), original[n].abs().max())
+    assert moved >= 6  # the quantized model's inputs are not the original's: later linears' scales moved
 
 
 def test_nvfp4_input_global_scale_is_compressed_tensors_generate_gparam(tmp_path):
@@ -207,14 +234,17 @@ def test_load_reads_w4afp8_as_compressed_tensors_itself_writes_it(tmp_path):
         quantkit.load(out)
 
 
-def test_moe_experts_get_their_own_input_scales(tmp_path):
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_moe_experts_get_their_own_input_scales(tmp_path, method):
     """A tiny Qwen3-MoE in NVFP4: every expert projection is hooked on the tokens routed to it and stores its
     input_global_scale (gate/up one, as vLLM fuses them); the routers stay in full precision with none; the
-    q/k/v scales equal generate_gparam of the attention input a plain hook sees."""
+    q/k/v scales equal generate_gparam of the attention input a plain hook sees (of the model as given with
+    round-to-nearest; of the model GPTQ leaves quantized with GPTQ, whose pipeline observed them)."""
     from compressed_tensors.quantization.utils import generate_gparam
     from test_float_runtime import _tiny_moe
 
-    write(_tiny_moe(), preset("NVFP4"), tmp_path / "moe", calibration=CALIBRATION)
+    model = _tiny_moe()
+    write(model, preset("NVFP4"), tmp_path / "moe", method=method, calibration=CALIBRATION)
     state = load_file(str(tmp_path / "moe" / "model.safetensors"))
     scales = {k[: -len(".input_global_scale")]: v for k, v in state.items() if k.endswith(".input_global_scale")}
     assert len(scales) == 2 * (4 + 4 * 3) and not any(k.endswith("mlp.gate") for k in scales)
@@ -222,7 +252,7 @@ def test_moe_experts_get_their_own_input_scales(tmp_path):
         for e in range(4):
             prefix = f"model.layers.{layer}.mlp.experts.{e}"
             assert torch.equal(scales[f"{prefix}.gate_proj"], scales[f"{prefix}.up_proj"])
-    attn_in = _hooked_inputs(_tiny_moe(), CALIBRATION)["model.layers.1.self_attn.q_proj"]
+    attn_in = _hooked_inputs(_tiny_moe() if method == "rtn" else model, CALIBRATION)["model.layers.1.self_attn.q_proj"]
     assert torch.equal(scales["model.layers.1.self_attn.k_proj"],
                        generate_gparam(attn_in.min().reshape(1), attn_in.max().reshape(1)))
     assert torch.isfinite(quantkit.load(tmp_path / "moe", dtype="float32")(CALIBRATION[:1]).logits).all()

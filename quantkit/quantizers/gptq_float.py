@@ -138,6 +138,14 @@ class FloatGPTQ(Quantizer):
         self._stacked: dict[str, FloatResult] = {}
         self._global_scales: dict[str, torch.Tensor] = {}
         self._ctx: Optional[LayerContext] = None
+        # {linear: absmax of every input observed}, when the writer asks (`record_input_absmax`): a preset's
+        # static input scales from the very inputs GPTQ calibrates on, the quantized model's (as llm-compressor's
+        # sequential pipeline observes them), without a forward of their own
+        self.input_absmax: Optional[dict[str, torch.Tensor]] = None
+
+    def record_input_absmax(self) -> None:
+        """From now on keep each observed linear's input absmax in `input_absmax` (keyed by full name)."""
+        self.input_absmax = {}
 
     def begin_layer(self, ctx: LayerContext) -> None:
         self._ctx = ctx
@@ -156,6 +164,10 @@ class FloatGPTQ(Quantizer):
 
     def observe(self, name: str, module: nn.Module, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
         self._stats.observe(name, module.in_features, x, reference, self._ctx.row_layout(name) if self._ctx else None)
+        if self.input_absmax is not None and x.numel():
+            key = (self._ctx.prefix if self._ctx is not None else "") + name
+            amax = x.detach().abs().amax().to(device="cpu", dtype=torch.float32)
+            self.input_absmax[key] = torch.maximum(self.input_absmax[key], amax) if key in self.input_absmax else amax
 
     def _grid(self, name: str, weight: torch.Tensor, importance: Optional[torch.Tensor] = None) -> FixedFloatGrid:
         return fixed_grid(weight, self.weights, self._global_scales.get(name), search=self.options["mse"],
