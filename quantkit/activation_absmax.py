@@ -2,7 +2,9 @@
 
 Forward pre-hooks on the named linears keep a running max of |input| per linear (no activation is stored),
 what compressed-tensors' "static_minmax" observer records for a symmetric scheme. The model runs in
-inference mode in batches of `batch_size` sequences; hooks are removed whatever happens.
+inference mode in batches of `batch_size` sequences, each forward stopped at the LM head unless it is one of
+the named linears (its logits, a fifth of a small model's compute, are not needed); hooks are removed whatever
+happens.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Iterable
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.layer_io import StopForward
 
 
 def input_absmax(model: torch.nn.Module, names: Iterable[str], input_ids: torch.Tensor,
@@ -31,13 +34,24 @@ def input_absmax(model: torch.nn.Module, names: Iterable[str], input_ids: torch.
                 amax[name] = torch.maximum(amax[name], x.abs().amax().to(torch.float32))
         return hook
 
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    stop_at_head = head is not None and not any(model.get_submodule(n) is head for n in names)
+
+    def stop(module, args):
+        raise StopForward  # every hooked linear has run: the LM head's logits are not needed
+
     try:
         for name in names:
             handles.append(model.get_submodule(name).register_forward_pre_hook(recorder(name)))
+        if stop_at_head:
+            handles.append(head.register_forward_pre_hook(stop))
         with torch.inference_mode():
             for start in range(0, input_ids.shape[0], max(1, batch_size)):
                 batch = input_ids[start:start + max(1, batch_size)].to(device)
-                model(input_ids=batch, attention_mask=torch.ones_like(batch), use_cache=False)
+                try:
+                    model(input_ids=batch, attention_mask=torch.ones_like(batch), use_cache=False)
+                except StopForward:
+                    pass
     finally:
         for h in handles:
             h.remove()

@@ -4,9 +4,10 @@ compressed-tensors checkpoint (`quantkit quantize --scheme NAME`, see docs/float
 Every preset with a float grid is written: weight-only (NVFP4A16, MXFP4A16), dynamic-activation (FP8_DYNAMIC,
 FP8_BLOCK, MXFP4), static-activation (FP8: a per-tensor input_scale; NVFP4: an input_global_scale) and W4AFP8
 (int4 group-128 weights by the integer RTN / GPTQ steps, packed pack-quantized, FP8 dynamic per-token inputs).
-The static input scales come from one forward pass over the calibration tokens with each quantized linear's
-input absmax recorded (`activation_absmax`, `float_codecs.input_scales`), on the model as given (before GPTQ
-changes its weights), so FP8 and NVFP4 need calibration data with either method.
+The static input scales come from each quantized linear's input absmax over the calibration tokens
+(`float_codecs.input_scales`): with GPTQ, of the inputs its pipeline observes (everything before the linear
+already quantized, as in the checkpoint; no forward of their own); with round-to-nearest, from one forward of
+the model as given (`activation_absmax`). So FP8 and NVFP4 need calibration data with either method.
 """
 from __future__ import annotations
 
