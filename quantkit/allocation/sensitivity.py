@@ -158,9 +158,11 @@ class KLMeter:
         self.base_logp = [self._logp(h) for h in self.states[-1]]  # the full-precision side, computed once
 
     def _logp(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities in float64: a nearly lossless scheme's KL (8 bits on a small model) sits near
+        float32's rounding of log_softmax, where a float32 KL came out negative and summed below zero."""
         for m in self.post:
             hidden = m(hidden)
-        return torch.log_softmax(self.head(hidden)[:, :-1].float(), dim=-1)
+        return torch.log_softmax(self.head(hidden)[:, :-1].double(), dim=-1)
 
     def _from_layer(self, first: int) -> list[torch.Tensor]:
         from quantkit.layer_io import layer_output
@@ -193,7 +195,7 @@ class KLMeter:
             base = self.base_logp[b]
             ours = self._logp(h)
             kl = (base.exp() * (base - ours)).sum(-1)
-            total, count = total + float(kl.double().sum()), count + kl.numel()
+            total, count = total + float(kl.sum()), count + kl.numel()
         return total / count
 
 
