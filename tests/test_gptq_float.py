@@ -250,3 +250,14 @@ def test_weighted_search_lowers_the_solves_output_error_where_a_few_inputs_domin
             err[weighted] = float(torch.einsum("ij,jk,ik->", d, H.double(), d))
         ratios.append(err[True] / err[False])
     assert max(ratios) < bound, ratios
+
+
+def test_gptqs_own_search_default_is_on_for_the_fp4_formats(tmp_path):
+    """GPTQ's default range search (`scale_search.GPTQ_DEFAULT_ON`) is on for MXFP4 as for NVFP4 (measured lower
+    KL on both texts with GPTQ; round-to-nearest keeps MXFP4's off): the default equals `mse=true`."""
+    cal = torch.randint(3, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    model = lambda: tiny_model("llama", hidden_size=128, intermediate_size=256)  # noqa: E731
+    got = {mse: write(model(), preset("MXFP4A16"), tmp_path / f"mx-{mse}", method="gptq", calibration=cal,
+                      options={"block_size": 32, **({} if mse is None else {"mse": mse})}) for mse in (None, True, False)}
+    assert all(torch.equal(got[None][m], got[True][m]) for m in got[None])
+    assert any(not torch.equal(got[None][m], got[False][m]) for m in got[None])

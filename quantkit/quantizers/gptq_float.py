@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.float_codecs import e8m0
+from quantkit.float_codecs import e8m0, scale_search
 from quantkit.float_codecs.fixed_grid import FixedFloatGrid, FloatWeight, fixed_grid
 from quantkit.float_codecs.fp8 import Fp8Weight
 from quantkit.float_codecs.fused_global_scale import shared_global_scales
@@ -111,8 +111,8 @@ class FloatGPTQ(Quantizer):
 
     name = "gptq"
     calibration_stream = "quantized"
-    # mse: round-to-nearest's range search picks the fixed scales (`float_codecs.scale_search`); None: the
-    # format's default there
+    # mse: round-to-nearest's range search picks the fixed scales (`float_codecs.scale_search`); None: GPTQ's
+    # default for the format (`scale_search.GPTQ_DEFAULT_ON`: on for NVFP4 and MXFP4)
     # gptaq: GPTQ towards the unquantized model's output from the quantized model's inputs, as the integer
     # solver's option (`gptq_core.asymmetric_target`; the format's scales stay fixed from the original weight)
     # weighted_search: the range search weighs each weight's rounding error by its input's mean square (the
@@ -170,8 +170,8 @@ class FloatGPTQ(Quantizer):
             self.input_absmax[key] = torch.maximum(self.input_absmax[key], amax) if key in self.input_absmax else amax
 
     def _grid(self, name: str, weight: torch.Tensor, importance: Optional[torch.Tensor] = None) -> FixedFloatGrid:
-        return fixed_grid(weight, self.weights, self._global_scales.get(name), search=self.options["mse"],
-                          importance=importance)
+        search = scale_search.enabled(self.weights, self.options["mse"], scale_search.GPTQ_DEFAULT_ON)
+        return fixed_grid(weight, self.weights, self._global_scales.get(name), search=search, importance=importance)
 
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme) -> FloatResult:
         if name in self._stacked:
