@@ -114,13 +114,9 @@ def quantized_weight(quantizer, weight: torch.Tensor, H: torch.Tensor, scheme: L
     from quantkit.quantizers.gptq_core import gptq_quantize
     from quantkit.quantizers.grid import rtn_quantize
 
-    o = quantizer.options
     if quantizer.name == "gptq":
-        _, stats = gptq_quantize(weight, H, scheme.bits, scheme.group_size, scheme.sym,
-                                 block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
-                                 act_order=bool(o["desc_act"]), static_groups=bool(o["static_groups"]),
-                                 mse=bool(o["mse"]), weighted_search=bool(o["weighted_search"]),
-                                 sym_range=o["sym_range"], return_dequant=True)
+        _, stats = gptq_quantize(weight, H, scheme.bits, scheme.group_size, scheme.sym, return_dequant=True,
+                                 **quantizer.solver_options())
         return stats["dequant"].to(weight.dtype)
     return rtn_quantize(weight, scheme.bits, scheme.group_size, scheme.sym,
                         **quantizer.uncalibrated_grid_options()).dequantize().to(weight.dtype)

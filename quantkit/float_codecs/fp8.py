@@ -80,14 +80,13 @@ def quantize(weight: torch.Tensor, strategy: str, block_size: Optional[tuple[int
     if weight.ndim != 2:
         raise QuantkitError(f"FP8 quantization takes a 2-D weight, got shape {tuple(weight.shape)}")
     w = weight.to(torch.float32)
+    imp = scale_search.column_weights(importance, 1, w.shape[1])  # [1, K]: one weight per input column
     if strategy == "tensor":
-        imp = scale_search.column_weights(importance, 1, w.shape[1])
         scale = _searched(w, w.abs().amax().reshape(1, 1), (0, 1), imp).reshape(1) if search \
             else scale_of_absmax(w.abs().amax().reshape(1))
         expanded = scale
     elif strategy == "channel":
         amax = w.abs().amax(dim=1, keepdim=True)
-        imp = scale_search.column_weights(importance, 1, w.shape[1])
         scale = _searched(w, amax, (1,), imp) if search else scale_of_absmax(amax)
         expanded = scale
     else:
@@ -99,8 +98,7 @@ def quantize(weight: torch.Tensor, strategy: str, block_size: Optional[tuple[int
         padded = torch.nn.functional.pad(w, (0, kb * cols - k, 0, nb * rows - n))
         blocks = padded.reshape(nb, rows, kb, cols)
         block_amax = blocks.abs().amax(dim=(1, 3))
-        imp = None if importance is None else torch.nn.functional.pad(importance.to(torch.float32), (0, kb * cols - k))
-        imp = scale_search.column_weights(imp, 1, 1, kb, cols)
+        imp = None if imp is None else torch.nn.functional.pad(imp.reshape(k), (0, kb * cols - k)).view(1, 1, kb, cols)
         scale = _searched(blocks, block_amax.view(nb, 1, kb, 1), (1, 3), imp).view(nb, kb) if search \
             else scale_of_absmax(block_amax)
         expanded = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:n, :k]

@@ -36,7 +36,8 @@ def quantize(weight: torch.Tensor, search: bool = False, importance: torch.Tenso
     groups = w.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
     scale_codes = e8m0.shared_exponent_codes(groups.abs().amax(dim=-1))
     if search:
-        scale_codes = _searched_exponents(groups, scale_codes, scale_search.column_weights(importance, 1, *groups.shape[1:]))
+        imp = scale_search.column_weights(importance, 1, *groups.shape[1:])
+        scale_codes = _searched_exponents(groups, scale_codes, imp)
     codes = e2m1.encode(groups / e8m0.decode(scale_codes).unsqueeze(-1))
     return Mxfp4Weight(codes.reshape(n, k), scale_codes)
 

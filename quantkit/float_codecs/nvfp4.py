@@ -60,7 +60,8 @@ def quantize(weight: torch.Tensor, gscale: torch.Tensor | None = None, search: b
     local = gscale * (groups.abs().amax(dim=-1) / torch.tensor(e2m1.MAX, device=w.device))
     scale = e4m3.to_e4m3(local).to(torch.float32)
     if search:
-        scale = _searched_group_scales(groups, scale, gscale, scale_search.column_weights(importance, 1, *groups.shape[1:]))
+        imp = scale_search.column_weights(importance, 1, *groups.shape[1:])
+        scale = _searched_group_scales(groups, scale, gscale, imp)
     scale = torch.where(scale == 0, torch.tensor(0.125, device=w.device), scale)
     codes = e2m1.encode(groups / (scale / gscale).unsqueeze(-1))
     return Nvfp4Weight(codes.reshape(n, k), scale.to(e4m3.DTYPE), gscale)

@@ -74,6 +74,14 @@ class GPTQQuantizer(Quantizer):
         self.solver = SharedSolver()  # data-parallel runs: each rank solves a share of the rows
         self.layer_stats: dict[str, dict] = {}
 
+    def solver_options(self) -> dict:
+        """This step's options as `gptq_core.gptq_quantize` takes them (the quantizer and the sensitivity
+        report's single-linear solves both pass these, so the two cannot drift apart)."""
+        o = self.options
+        return {"block_size": int(o["block_size"]), "damp_percent": float(o["damp_percent"]),
+                "act_order": bool(o["desc_act"]), "static_groups": bool(o["static_groups"]), "mse": bool(o["mse"]),
+                "weighted_search": bool(o["weighted_search"]), "sym_range": o["sym_range"]}
+
     def begin_layer(self, ctx: LayerContext) -> None:
         super().begin_layer(ctx)
         self._ctx = ctx
@@ -128,10 +136,8 @@ class GPTQQuantizer(Quantizer):
         comm = self._ctx.samples.comm if self._ctx is not None and self._ctx.samples is not None else None
         qw, stats = self.solver.solve(
             comm, name, weight if grid is None else grid.shifted(weight), H, bits=scheme.bits, group_size=scheme.group_size,
-            sym=scheme.sym, block_size=int(o["block_size"]), damp_percent=float(o["damp_percent"]),
-            act_order=bool(o["desc_act"]), static_groups=bool(o["static_groups"]), mse=bool(o["mse"]),
-            weighted_search=bool(o["weighted_search"]), sym_range=o["sym_range"], qparams=None if grid is None else (grid.scale, grid.zero),
-            return_rounded=self.keep_rounded and grid is None,
+            sym=scheme.sym, qparams=None if grid is None else (grid.scale, grid.zero),
+            return_rounded=self.keep_rounded and grid is None, **self.solver_options(),
         )
         rounded = stats.pop("rounded", None)
         if grid is not None:  # the codes GPTQ chose on the fixed grid, with the grid's offsets and k-quant scales

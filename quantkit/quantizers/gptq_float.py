@@ -190,7 +190,7 @@ class FloatGPTQ(Quantizer):
             self._stats.pop(m)
         H = acc.hessian()
         # the range search (where on) weighs each weight's rounding error by its input's mean square
-        importance = torch.diagonal(H).float().clamp(min=0) if self.options["weighted_search"] else None
+        importance = torch.diagonal(H) if self.options["weighted_search"] else None
         grids = [self._grid(n, lin.weight.data, importance) for n, lin in linears]  # the format's scales
         grid = grids[0] if len(grids) == 1 else FixedFloatGrid(grids[0].rtn, torch.cat([g.step for g in grids]))
         weight = torch.cat([lin.weight.data for _, lin in linears]).float()
