@@ -45,6 +45,10 @@ QUANTKIT_ROWS = {
     # GPTQ + GPTAQ on the full-range grid (configs/gptaq-w4.yaml, best-w4 until 2026-12-06), then with
     # small sign-gradient steps from its solution (configs/gptaq-w4-signround.yaml)
     "gptaq": ["--recipe", "gptaq-w4"],
+    # best-w4's steps from the same round-to-nearest start, with GPTAQ's solution (gptaq-w4's) competing
+    # per layer for the state kept on the held-out calibration sequences (signround option start=rtn)
+    "best gptaq": ["--recipe", "best-w4", "--method", "gptq,signround", "--option", "gptaq=true",
+                   "--option", "mse=true", "--option", "start=rtn"],
     "gptaq signround": ["--recipe", "gptaq-w4-signround"],
     # plain GPTQ on auto-round's full-range symmetric grid (signed absmax/8: quantizers.grid.SYM_RANGES)
     "gptq full": ["--method", "gptq", "--option", "sym_range=full"],

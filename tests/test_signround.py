@@ -125,6 +125,37 @@ def test_auto_rounds_rule_from_round_to_nearest_with_bf16_steps_lowers_the_error
     assert log["held_out_best"] == pytest.approx(_layer0_error(tuned, ids[HELD_OUT]), rel=1e-4)
 
 
+def _same_bytes(a, b) -> bool:
+    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("qweight", "scales", "zeros", "g_idx"))
+
+
+def test_start_rtn_tunes_from_round_to_nearest_and_keeps_the_quantizers_solution_where_it_is_better():
+    """start=rtn: the steps start from plain round-to-nearest on the quantizer's grid (layer 0's
+    held-out start equals `rtn,signround`'s), and the quantizer's own solution competes for the state
+    kept on the same held-out sequences (its logged loss is transformers' forward of GPTQ's layer 0 alone).
+    Both outcomes are checked against runs without the option: on the tiny Llama GPTQ's layer 0 wins
+    (its bytes are kept exactly), and behind MSE round-to-nearest the tuned states win (the bytes of
+    `rtn,signround` from the same start, every layer)."""
+    rule = dict(scale_range=[0.5, 1.0], iters=20, eval_every=4)
+    grid = dict(sym_range="full", mse=False)
+    plain_recipe, plain, _, ids = _quantize("rtn,signround", {**rule, **grid}, n=64, seq=64)
+    gptq_opts = dict(sym_range="full", desc_act=False)
+    recipe, kept, _, _ = _quantize("gptq,signround", {**rule, **gptq_opts, "start": "rtn"}, n=64, seq=64)
+    _, gptq, _, _ = _quantize("gptq", gptq_opts, n=64, seq=64)
+    log, plain_log = recipe.refiners[0].log[0], plain_recipe.refiners[0].log[0]
+    assert log["held_out_start"] == plain_log["held_out_start"]
+    assert log["held_out_quantizer"] == pytest.approx(_layer0_error(gptq, ids[HELD_OUT]), rel=1e-4)
+    assert log["kept"] == "quantizer" and log["held_out_quantizer"] < plain_log["held_out_best"]
+    layer0 = [n for n in gptq if n.startswith("model.layers.0.")]
+    assert all(_same_bytes(kept[n], gptq[n]) for n in layer0)
+    assert log["held_out_best"] == pytest.approx(_layer0_error(kept, ids[HELD_OUT]), rel=1e-4)
+
+    recipe, tuned, _, _ = _quantize("rtn,signround", {**rule, "sym_range": "full", "start": "rtn"}, n=64, seq=64)
+    assert [r["kept"] for r in recipe.refiners[0].log] == ["tuned", "tuned"]
+    assert all(r["held_out_quantizer"] > r["held_out_best"] for r in recipe.refiners[0].log)
+    assert plain.keys() == tuned.keys() and all(_same_bytes(tuned[n], plain[n]) for n in plain)
+
+
 def test_gguf_output_with_a_refiner_is_refused_at_plan_time_naming_the_recipe_that_can():
     """best-w4 (signround) cannot write GGUF's block grids: refused before any calibration, in one line that
     names gptaq-w4, which can."""
@@ -145,6 +176,10 @@ def test_options_are_checked_with_one_line():
         SignRoundRefiner(scale_range=[1.1, 1.2])
     with pytest.raises(QuantkitError, match="step_dtype must be one of float32, bfloat16"):
         SignRoundRefiner(step_dtype="fp16")
+    with pytest.raises(QuantkitError, match="start must be quantizer or rtn"):
+        SignRoundRefiner(start="gptq")
+    with pytest.raises(QuantkitError, match="start_position='rounded' needs start=quantizer"):
+        SignRoundRefiner(start="rtn", start_position="rounded")
     with pytest.raises(QuantkitError, match="weight quantizer"):
         build_recipe("signround", {})
     with pytest.raises(QuantkitError, match="num-samples 16"):

@@ -52,6 +52,9 @@ class LayerContext:
     samples: Optional[SampleLayout] = None
     # for refiners: the quantizer's Quantizer.rounded_weight (the recipe sets it before refine_layer)
     rounded_weight: Optional[Callable[[str], Optional[torch.Tensor]]] = None
+    # for refiners: a linear (name relative to the layer) of `reference_layer` rounded to nearest on the
+    # quantizer's grid with plain min/max ranges (the recipe sets it: Recipe.plain_rtn)
+    plain_rtn: Optional[Callable[[str], QuantizedWeight]] = None
 
     def row_layout(self, name: str) -> Optional[SampleLayout]:
         """The layout a sum over linear `name`'s input rows follows: `samples`, except for a routed
@@ -217,6 +220,17 @@ class Quantizer(Step):
             return rtn_on_grid(module.weight.data, ggml_type(scheme.grid), module.bias)
         return rtn_quantize(module.weight.data, scheme.bits, scheme.group_size, scheme.sym, module.bias,
                             **self.uncalibrated_grid_options())
+
+    def plain_round_to_nearest(self, weight: torch.Tensor, bias, scheme: LinearScheme) -> QuantizedWeight:
+        """`weight` rounded to nearest on this quantizer's grid (its `sym_range`) with plain min/max
+        ranges, no search: auto-round's start, for a refiner that restarts from it."""
+        from quantkit.quantizers.grid import rtn_quantize
+
+        if scheme.grid is not None:
+            raise QuantkitError("round-to-nearest on a GGUF block grid is llama.cpp's own choice of parameters; "
+                                "a refiner's restart needs an integer grid with a zero point")
+        return rtn_quantize(weight, scheme.bits, scheme.group_size, scheme.sym, bias, mse=False,
+                            sym_range=self.uncalibrated_grid_options()["sym_range"])
 
     def uncalibrated_grid_options(self) -> dict[str, Any]:
         """How a group's range is chosen for a weight rounded without data: the range search this

@@ -126,7 +126,8 @@ def pass_scheme(preset: SchemePreset) -> LinearScheme:
 
 
 def run_pass(model: nn.Module, preset: SchemePreset, p: FloatPass, linears: list[str],
-             calibration: Optional[torch.Tensor], options: dict, batch_size: int = 8, progress: bool = False):
+             calibration: Optional[torch.Tensor], options: dict, batch_size: int = 8, progress: bool = False,
+             device: torch.device | str = "cpu"):
     """Transform `model` in place for `preset` with pass `p` (the groups feeding any of `linears`), layer by
     layer on `calibration` (token ids); returns the transform (its `search_log` says what it chose per layer)."""
     from quantkit.models import get_adapter
@@ -138,5 +139,5 @@ def run_pass(model: nn.Module, preset: SchemePreset, p: FloatPass, linears: list
                             "token ids")
     step = p.make(preset, options)
     quantize_model(model, get_adapter(model), Recipe([step, KeepWeights()]), dict.fromkeys(linears, pass_scheme(preset)),
-                   calibration, batch_size=batch_size, progress=progress)
+                   calibration, batch_size=batch_size, progress=progress, device=device)
     return step

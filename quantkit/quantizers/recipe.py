@@ -174,9 +174,17 @@ class Recipe:
         """The layer's quantized results as the refiners leave them, in order (the results unchanged
         when the recipe has none)."""
         ctx.rounded_weight = self.quantizer.rounded_weight
+        ctx.plain_rtn = lambda name: self.plain_rtn(ctx, name)
         for r in self.refiners:
             results = r.refine_layer(ctx, results, device, compute_dtype)
         return results
+
+    def plain_rtn(self, ctx: LayerContext, name: str) -> QuantizedWeight:
+        """Linear `name` (relative to the layer) of the unquantized layer (after the transforms) rounded
+        to nearest on the quantizer's grid with plain min/max ranges: codes and ranges only, the caller
+        keeps what the transforms' `finalize` added to the quantizer's result."""
+        module = ctx.reference_layer.get_submodule(name)
+        return self.quantizer.plain_round_to_nearest(module.weight.data, module.bias, ctx.schemes[name])
 
     def end_layer(self, ctx: LayerContext) -> None:
         for s in self.steps:

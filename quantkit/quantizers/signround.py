@@ -146,6 +146,11 @@ class SignRoundRefiner(Refiner):
         # lies, GPTQ's with the earlier columns' errors compensated: auto-round's parametrisation with
         # that weight as W, V = 0 its codes) or "centre" (every offset 1/2 from a boundary)
         "start_position": "rtn",
+        # what the steps start from: "quantizer" (its solution, the recipe's weight quantizer) or "rtn"
+        # (round-to-nearest of the unquantized weights on the quantizer's grid, plain min/max ranges:
+        # auto-round's start); with "rtn" the quantizer's solution stays a candidate for the state kept,
+        # so a layer the quantizer (GPTAQ) fits better on the held-out sequences keeps its solution
+        "start": "quantizer",
         # |V| bound: None is 0.5 from the "rtn" start (auto-round's) and 1 from the "centre" start (a
         # position 1/2 from a boundary must be able to cross it); a code moves at most one step either way
         "offset_range": None,
@@ -173,6 +178,11 @@ class SignRoundRefiner(Refiner):
             raise QuantkitError(f"signround option step_rule must be sign or scaled, got {o['step_rule']!r}")
         if o["start_position"] not in ("rtn", "centre", "rounded"):
             raise QuantkitError(f"signround option start_position must be rounded, rtn or centre, got {o['start_position']!r}")
+        if o["start"] not in ("quantizer", "rtn"):
+            raise QuantkitError(f"signround option start must be quantizer or rtn, got {o['start']!r}")
+        if o["start"] == "rtn" and o["start_position"] != "rtn":
+            raise QuantkitError(f"signround option start=rtn starts every weight where round-to-nearest puts it "
+                                f"(start_position=rtn); start_position={o['start_position']!r} needs start=quantizer")
         self.needs_rounded_weights = o["start_position"] == "rounded"  # the recipe reads it
         if o["step_dtype"] not in STEP_DTYPES:
             raise QuantkitError(f"signround option step_dtype must be one of {', '.join(STEP_DTYPES)}, "
@@ -279,9 +289,10 @@ class _LayerRun:
     def tune(self, results: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
         ctx, o = self.ctx, self.step.options
         rounded = ctx.rounded_weight or (lambda name: None)
+        starts = self.starts(results)
         linears = [TunedLinear.start_from(n[len(ctx.prefix):], qw, ctx.reference_layer.get_submodule(
             n[len(ctx.prefix):]).weight, self.device, o["start_position"], rounded(n[len(ctx.prefix):]))
-            for n, qw in results.items()]
+            for n, qw in starts.items()]
         scaled = o["step_rule"] == "scaled"
         keys = [f"{t.name}.weight" for t in linears]
         lo, hi = (float(v) for v in o["scale_range"])
@@ -296,6 +307,13 @@ class _LayerRun:
         start_loss = best_loss = self.held_out_loss(dict(zip(keys, current(False))))
         best = [(t.factor.clone(), t.offset.clone()) for t in linears]
         best_step = 0
+        quantizer_loss = None
+        if starts is not results:  # the quantizer's own solution competes with the tuned states
+            with torch.no_grad():
+                quantizer_loss = self.held_out_loss(
+                    {k: results[n].to(self.device).dequantize(torch.float32) for k, n in zip(keys, starts)})
+            if quantizer_loss <= best_loss:
+                best_loss, best_step, best = quantizer_loss, -1, None
         for t in linears:
             t.factor.requires_grad_(lo < hi)
             t.offset.requires_grad_(True)
@@ -319,8 +337,24 @@ class _LayerRun:
                     best_loss, best_step = loss, step + 1
                     best = [(t.factor.detach().clone(), t.offset.detach().clone()) for t in linears]
         self.step.log.append({"layer": ctx.index, "held_out_start": start_loss, "held_out_best": best_loss,
-                              "best_step": best_step})
-        return {ctx.prefix + t.name: t.result(f, v) for t, (f, v) in zip(linears, best)}
+                              "best_step": best_step, "held_out_quantizer": quantizer_loss,
+                              "kept": "quantizer" if best is None else "tuned" if best_step else "start"})
+        if best is None:
+            return {n: results[n] for n in starts}
+        return {n: t.result(f, v) for n, t, (f, v) in zip(starts, linears, best)}
+
+    def starts(self, results: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+        """Where the steps start: the quantizer's results, or (start=rtn) each of them with its codes and
+        ranges replaced by plain round-to-nearest's (what the transforms added, e.g. input scales, kept)."""
+        if self.step.options["start"] == "quantizer":
+            return results
+        if self.ctx.plain_rtn is None:
+            raise QuantkitError("signround option start=rtn needs the recipe's round-to-nearest; the pipeline gave none")
+        out = {}
+        for n, qw in results.items():
+            rtn = self.ctx.plain_rtn(n[len(self.ctx.prefix):])
+            out[n] = replace(qw, qweight=rtn.qweight, scales=rtn.scales, zeros=rtn.zeros, g_idx=rtn.g_idx)
+        return out
 
     def step_size(self, t: int) -> float:
         return self.step.step_size(t)
