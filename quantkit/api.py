@@ -157,6 +157,9 @@ def quantize(
         return _run_spawned_ranks(args)
     lead = comm is None or comm.rank == 0
     plan = _plan_of(args)
+    if plan.float_preset is not None and resume:  # before the model is loaded
+        raise QuantkitError(f"--scheme {plan.float_preset.name} is written in one pass with no layer store to resume "
+                            "from; drop --resume (an interrupted float run leaves nothing behind: start it again)")
     _check_share(plan, comm)
     if output is not None:
         _on_rank0(comm, lambda: _check_output(Path(output), overwrite, resume, source_ref))
@@ -168,7 +171,8 @@ def quantize(
     hf_model, tokenizer, base_name, layer_source = _source_model(model, tokenizer, trust_remote_code, streaming,
                                                                  device_map, max_memory)
     if plan.float_preset is not None:
-        return _quantize_float(args, plan, hf_model, tokenizer, base_name, layer_source, comm, source_ref, t0)
+        return _quantize_float(args, plan, hf_model, tokenizer, base_name, layer_source, comm, source_ref, t0,
+                               shard_bytes)
     save_dtype = parse_dtype(dtype) or source_dtype(hf_model.config)
     adapter = get_adapter(hf_model)
     experts = _expert_policy(plan, adapter, hf_model, layer_source, comm)
@@ -260,10 +264,12 @@ def _resolved_run(args: dict, plan, schemes: dict, cal_batch, experts, save_dtyp
                        allocation={k: v for k, v in allocation.items() if k != "choice"} if allocation else None)
 
 
-def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer_source, comm, source_ref, t0):
+def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer_source, comm, source_ref, t0,
+                    shard_bytes: int):
     """A float preset (--scheme NVFP4A16, FP8_DYNAMIC, ...): round-to-nearest or GPTQ onto its grid, written
     as a compressed-tensors folder by quantkit.float_checkpoint, with the tokenizer and recipe.yaml, staged
-    and renamed into place."""
+    and renamed into place; --dtype (the unquantized tensors' dtype, the source's by default), --max-shard-size
+    and --device as for the integer schemes."""
     from quantkit import float_checkpoint
     from quantkit.checkpoint import replace_dir, staging_dir
     from quantkit.float_card import float_model_card
@@ -273,6 +279,9 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
     if layer_source is not None or comm is not None or args["target_bits"] is not None or args["target_size"]:
         raise QuantkitError(f"--scheme {p.name} is written from a model held in one process; drop --streaming, "
                             "--device-map, --nproc and --target-bits/--target-size")
+    from quantkit.sources import parse_dtype, source_dtype
+
+    save_dtype = parse_dtype(args["dtype"]) or source_dtype(hf_model.config)
     output = Path(args["output"]) if args["output"] is not None else \
         Path(f"{Path(base_name).name.lower()}-{plan.recipe.name}-{p.name.lower()}")
     _check_output(output, args["overwrite"], False, source_ref)
@@ -289,7 +298,9 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
             ids = None  # drawn for the KV-cache scales only
         written = float_checkpoint.write(hf_model, p, folder, ignore=plan.scheme.ignore, method=plan.recipe.name,
                                          calibration=ids, options=non_default_options(plan.recipe),
-                                         batch_size=batch or 8, progress=bool(args["progress"]), kv_scales=kv_scales)
+                                         batch_size=batch or 8, progress=bool(args["progress"]), kv_scales=kv_scales,
+                                         save_dtype=save_dtype, max_shard_size=shard_bytes,
+                                         device=_compute_device(args["device"], None))
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
@@ -297,7 +308,7 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
         used = {k: v for k, v in plan.method_info().items() if k not in plan.recipe.describe() or k == "method"}
         card_method = {**used, **non_default_options(plan.recipe)}  # the options the float writer took, not every default
         (folder / "README.md").write_text(float_model_card(base_name, p, card_method, qcfg, shapes))
-        resolved = _resolved_run(args, plan, {}, batch, None, hf_model.dtype, None)
+        resolved = _resolved_run(args, plan, {}, batch, None, save_dtype, None)
         (folder / RECIPE_FILE).write_text(resolved.to_yaml())
         replace_dir(folder, output)
     finally:

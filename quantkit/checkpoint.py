@@ -184,16 +184,8 @@ def _kv_scale_entries(kv_scales, scratch: Path, rename) -> dict[str, tuple[Path,
 
 def _save_sharded(entries: dict[str, tuple[Optional[Path], torch.dtype, tuple[int, ...]]], model,
                   save_dtype: torch.dtype, folder: Path, max_shard_size) -> None:
-    """Shard like `save_pretrained` (huggingface_hub's split, in state-dict order) and write each shard
-    tensor by tensor, so peak memory is one tensor, not the checkpoint (or a 5 GB shard)."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-
-    sizes = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (_, dtype, shape) in entries.items()}
-    try:
-        split = split_torch_state_dict_into_shards(sizes, max_shard_size=max_shard_size,
-                                                   filename_pattern="model{suffix}.safetensors")
-    except ValueError as exc:
-        raise QuantkitError(f"invalid --max-shard-size {max_shard_size!r}: {exc}; use e.g. 2GB or 500MB") from None
+    """The checkpoint's tensors (scratch files of quantized layers, the rest from `model` cast to
+    `save_dtype`) written as shards, tensor by tensor (`write_shards`)."""
     model_state = model.state_dict()
 
     def load(key: str) -> torch.Tensor:
@@ -206,8 +198,24 @@ def _save_sharded(entries: dict[str, tuple[Optional[Path], torch.dtype, tuple[in
         with safe_open(str(path), framework="pt") as f:  # opened per tensor: nothing stays mapped
             return f.get_tensor(key)
 
+    write_shards({k: entries[k][1:] for k in entries}, load, folder, max_shard_size)
+
+
+def write_shards(layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], load, folder: Path, max_shard_size) -> None:
+    """Shard like `save_pretrained` (huggingface_hub's split, in `layout`'s order: name -> (dtype, shape))
+    and write each shard tensor by tensor (`load(name)`), so peak memory is one tensor, not the
+    checkpoint (or a 5 GB shard); the index is written when there is more than one shard. One
+    implementation for every safetensors checkpoint quantkit writes (integer and float)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    sizes = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (dtype, shape) in layout.items()}
+    try:
+        split = split_torch_state_dict_into_shards(sizes, max_shard_size=max_shard_size,
+                                                   filename_pattern="model{suffix}.safetensors")
+    except ValueError as exc:
+        raise QuantkitError(f"invalid --max-shard-size {max_shard_size!r}: {exc}; use e.g. 2GB or 500MB") from None
     for filename, keys in split.filename_to_tensors.items():
-        write_safetensors(folder / filename, {k: entries[k][1:] for k in keys}, load, metadata={"format": "pt"})
+        write_safetensors(folder / filename, {k: layout[k] for k in keys}, load, metadata={"format": "pt"})
     if split.is_sharded:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in sizes.values())},
                  "weight_map": split.tensor_to_filename}

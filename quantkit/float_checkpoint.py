@@ -136,7 +136,8 @@ DEFAULT_METHODS = {"NVFP4": ("smoothquant", {"alpha": "auto"}), "MXFP4": ("smoot
 def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
           ignore: Iterable[str] = DEFAULT_IGNORE, method: str = "rtn", calibration: Optional[torch.Tensor] = None,
           options: Optional[dict] = None, batch_size: int = 8, progress: bool = False,
-          kv_scales=None) -> dict[str, torch.Tensor]:
+          kv_scales=None, save_dtype: Optional[torch.dtype] = None, max_shard_size="5GB",
+          device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Quantize every nn.Linear of a transformers model not matching `ignore` (regexes) and save it to `output`
     (a new folder; written in a staging folder beside it and renamed, so a failure leaves nothing behind).
     MoE experts are quantized one linear per expert and projection (the names compressed-tensors and vLLM
@@ -150,8 +151,10 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     alpha_step, search_tokens, smooth), "awq" / "awq+gptq" first run AWQ's scale search on the preset's grid
     (`quantizers.awq_float`), then round or run GPTQ as above; static input scales are measured on the
     transformed model. `kv_scales` (quantkit.kv_calibration.KVScales)
-    adds the calibrated FP8 KV-cache scales and the config's kv_cache_scheme.
-    Returns {module name: dequantized float32 weight}, what a reader should reconstruct."""
+    adds the calibrated FP8 KV-cache scales and the config's kv_cache_scheme. The tensors left unquantized
+    (embeddings, norms, biases, ignored linears) are written in `save_dtype` (None: as `model` holds them), the
+    files sharded at `max_shard_size` as `save_pretrained` shards them; the calibration passes run each layer on
+    `device`. Returns {module name: dequantized float32 weight}, what a reader should reconstruct."""
     out = Path(output)
     if out.exists():
         raise QuantkitError(f"output folder {out} already exists; choose a new folder")
@@ -174,7 +177,7 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
                             "calibration token ids with --method rtn as with gptq")
     if first is not None:  # exact in full precision: everything below sees the transformed model
         float_passes.run_pass(model, preset, first, pipeline_linears(model, tuple(ignore))[1], calibration,
-                              pass_options, batch_size, progress)
+                              pass_options, batch_size, progress, device)
     # static input scales: with float GPTQ, from the inputs its pipeline observes (each linear's, with everything
     # before it already quantized, as in the checkpoint); otherwise from a forward of the model as given
     scales_from_gptq = preset.calibrates_activations and method == "gptq" and not integer
@@ -182,10 +185,10 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
         if preset.calibrates_activations and not scales_from_gptq else {}
     if integer:
         results = _integer_results(model, preset, tuple(ignore), method, calibration, options, batch_size,
-                                   progress)
+                                   progress, device)
     elif method == "gptq":
         results, absmax = _gptq_results(model, preset, tuple(ignore), calibration, options, batch_size, progress,
-                                        record_input_absmax=scales_from_gptq)
+                                        record_input_absmax=scales_from_gptq, device=device)
         if scales_from_gptq:
             input_scales = _input_scales(model, preset, tuple(ignore), absmax=absmax)
     else:
@@ -194,7 +197,8 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
         rename = adapter.checkpoint_name if adapter is not None else (lambda n: n)
         full_precision = set(adapter.full_precision_modules(model)) if adapter is not None else set()
         state, dequantized, skipped = _quantized_state(model, preset, tuple(ignore), full_precision, results,
-                                                       search=options.get("mse"), input_scales=input_scales)
+                                                       search=options.get("mse"), input_scales=input_scales,
+                                                       save_dtype=save_dtype)
     state = {rename(k): v for k, v in state.items()}
     if not dequantized:
         raise QuantkitError("no linear layers left to quantize after the ignore list; loosen --ignore")
@@ -203,7 +207,10 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     if kv_scales is not None:
         state.update(kv_scales.tensors(rename))
         config["quantization_config"]["kv_cache_scheme"] = kv_scales.scheme.config()
-    _save(out, state, config)
+    if save_dtype is not None:
+        config["dtype"] = str(save_dtype).replace("torch.", "")  # as the integer checkpoints (checkpoint._save_config)
+        config.pop("torch_dtype", None)
+    _save(out, state, config, max_shard_size)
     return dequantized
 
 
@@ -249,7 +256,8 @@ def pipeline_linears(model: torch.nn.Module, patterns: tuple[str, ...]):
 
 
 def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...], method: str,
-                     calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool) -> dict:
+                     calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool,
+                     device: torch.device | str = "cpu") -> dict:
     """{linear name: QuantizedWeight} of the integer RTN or GPTQ step (with `options`, as on the integer path)
     on the preset's integer weight grid (W4AFP8: 4-bit symmetric groups of 128), through quantkit's pipeline."""
     from quantkit.pipeline import quantize_model
@@ -270,12 +278,13 @@ def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tup
                 from None
     scheme = LinearScheme(bits=w.bits, group_size=w.group_size if w.strategy == "group" else -1, sym=w.symmetric)
     return quantize_model(model, adapter, recipe, dict.fromkeys(names, scheme),
-                          calibration if recipe.needs_calibration else None, batch_size=batch_size, progress=progress)
+                          calibration if recipe.needs_calibration else None, batch_size=batch_size, progress=progress,
+                          device=device)
 
 
 def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
                   calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool,
-                  record_input_absmax: bool = False) -> tuple[dict, Optional[dict]]:
+                  record_input_absmax: bool = False, device: torch.device | str = "cpu") -> tuple[dict, Optional[dict]]:
     """({linear name: FloatResult} of GPTQ on the preset's grid, from quantkit's calibration pipeline; with
     `record_input_absmax`, {linear name: the absmax of the inputs GPTQ observed}, else None)."""
     from quantkit.pipeline import quantize_model
@@ -289,19 +298,22 @@ def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[
     if record_input_absmax:
         step.record_input_absmax()
     schemes = dict.fromkeys(names, LinearScheme(bits=preset.weights.bits, group_size=-1, sym=True))
-    results = quantize_model(model, adapter, step, schemes, calibration, batch_size=batch_size, progress=progress)
+    results = quantize_model(model, adapter, step, schemes, calibration, batch_size=batch_size, progress=progress,
+                             device=device)
     return results, step.input_absmax
 
 
 def _quantized_state(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
                      full_precision: set[str], results: Optional[dict] = None, search: Optional[bool] = None,
-                     input_scales: Optional[dict] = None
+                     input_scales: Optional[dict] = None, save_dtype: Optional[torch.dtype] = None
                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
     """(the state dict with every quantized linear's weight replaced by its layout's tensors and its static
     input scale from `input_scales` added, {module: dequantized weight}, the linears left in full precision).
     With `results` (GPTQ's, or the integer steps'), each linear's weight object comes from there instead of
-    round-to-nearest."""
-    state = {k: v.detach() for k, v in model.state_dict().items()}
+    round-to-nearest. The model's own floating tensors are cast to `save_dtype` (the quantized ones keep their
+    layout's dtypes)."""
+    state = {k: v.detach().to(save_dtype) if save_dtype is not None and v.is_floating_point() else v.detach()
+             for k, v in model.state_dict().items()}
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     skipped = {n for n in linears if n in full_precision or any(re.search(p, n) for p in patterns)}
     rtn_nvfp4 = results is None and layout_of(preset) == ct_nvfp4.FORMAT
@@ -333,14 +345,16 @@ def _quantized_state(model: torch.nn.Module, preset: SchemePreset, patterns: tup
     return state, dequantized, skipped
 
 
-def _save(out: Path, state: dict[str, torch.Tensor], config: dict) -> None:
-    """model.safetensors + config.json, written in a staging folder beside `out` and renamed into place."""
-    from safetensors.torch import save_file
+def _save(out: Path, state: dict[str, torch.Tensor], config: dict, max_shard_size="5GB") -> None:
+    """The safetensors shards (quantkit.checkpoint.write_shards, as the integer checkpoints are) + config.json,
+    written in a staging folder beside `out` and renamed into place."""
+    from quantkit.checkpoint import write_shards
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        write_shards({k: (t.dtype, tuple(t.shape)) for k, t in state.items()}, state.__getitem__, staging,
+                     max_shard_size)
         (staging / "config.json").write_text(json.dumps(config, indent=2, default=str))
         staging.rename(out)
     except BaseException:

@@ -200,3 +200,58 @@ def test_reader_reads_only_the_files_the_folder_names_and_nothing_outside_it(tmp
     (tmp_path / "m" / "model.safetensors").symlink_to(outside)
     with pytest.raises(QuantkitError, match="outside the model folder"):
         read_dequantized(tmp_path / "m")
+
+
+def _bf16_source(folder, tokenizer_dir):
+    """The tiny Llama stored in bfloat16, as most Hub checkpoints are (with the demo's tokenizer)."""
+    _tiny_llama().to(torch.bfloat16).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    return folder
+
+
+def _tensors(folder) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("model*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_a_float_run_keeps_the_sources_dtype_shards_as_asked_and_refuses_resume(tmp_path, demo_dir):
+    """The tensors a float preset leaves unquantized are written in the source's dtype (bf16 here: exactly the
+    source's values, read back by safetensors) unless --dtype says otherwise; --max-shard-size splits the files
+    as for the integer schemes, and the shards hold exactly the single file's tensors (transformers +
+    compressed-tensors load both to the same model); --resume, which a float run cannot honour, is refused."""
+    import quantkit
+    from safetensors.torch import load_file
+
+    src = _bf16_source(tmp_path / "src", demo_dir)
+    source = load_file(src / "model.safetensors")
+    quantkit.quantize(str(src), "rtn", scheme="FP8_DYNAMIC", output=tmp_path / "one", progress=False)
+    one = _tensors(tmp_path / "one")
+    assert [p.name for p in (tmp_path / "one").glob("model*.safetensors")] == ["model.safetensors"]
+    assert one["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert torch.equal(one["model.embed_tokens.weight"], source["model.embed_tokens.weight"])
+    assert torch.equal(one["model.norm.weight"], source["model.norm.weight"])
+    assert one["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn  # the layout's own dtype
+    assert json.loads((tmp_path / "one" / "config.json").read_text())["dtype"] == "bfloat16"
+
+    quantkit.quantize(str(src), "rtn", scheme="FP8_DYNAMIC", output=tmp_path / "shards", max_shard_size="40KB",
+                      progress=False)
+    shards = sorted(p.name for p in (tmp_path / "shards").glob("model*.safetensors"))
+    index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
+    assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
+    split = _tensors(tmp_path / "shards")
+    assert split.keys() == one.keys() and all(torch.equal(split[k], one[k]) for k in one)
+    config = transformers.CompressedTensorsConfig(run_compressed=False)
+    a, b = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / d, dtype=torch.float32,
+                                                              quantization_config=config).state_dict()
+            for d in ("one", "shards"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    quantkit.quantize(str(src), "rtn", scheme="FP8_DYNAMIC", output=tmp_path / "f32", dtype="float32", progress=False)
+    assert _tensors(tmp_path / "f32")["model.embed_tokens.weight"].dtype == torch.float32
+    with pytest.raises(QuantkitError, match="drop --resume"):
+        quantkit.quantize(str(src), "rtn", scheme="FP8_DYNAMIC", output=tmp_path / "again", resume=True, progress=False)
+    assert not (tmp_path / "again").exists()
