@@ -165,6 +165,8 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
 
     integer = preset.weights.kind == "int"  # W4AFP8: the integer steps, with their own options
     first, method = float_passes.parse_method(method)
+    if integer and first is not None and first.name == "awq":  # integer weights: AWQ's own integer transform
+        first, method = None, "awq" if method == "rtn" else "awq,gptq"  # inside the integer recipe (clipping too)
     pass_options, options = first.split(options or {}) if first is not None else ({}, dict(options or {}))
     if method == "rtn" and calibration is not None and not preset.calibrates_activations and first is None:
         raise QuantkitError(f"round-to-nearest onto --scheme {preset.name} reads no calibration data; drop it or use "
@@ -258,8 +260,9 @@ def pipeline_linears(model: torch.nn.Module, patterns: tuple[str, ...]):
 def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...], method: str,
                      calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool,
                      device: torch.device | str = "cpu") -> dict:
-    """{linear name: QuantizedWeight} of the integer RTN or GPTQ step (with `options`, as on the integer path)
-    on the preset's integer weight grid (W4AFP8: 4-bit symmetric groups of 128), through quantkit's pipeline."""
+    """{linear name: QuantizedWeight} of the integer recipe `method` (rtn, gptq, awq, awq,gptq: with `options`,
+    as on the integer path) on the preset's integer weight grid (W4AFP8: 4-bit symmetric groups of 128), through
+    quantkit's pipeline."""
     from quantkit.pipeline import quantize_model
     from quantkit.quantizers.recipe import build_recipe
     from quantkit.scheme import LinearScheme

@@ -74,8 +74,6 @@ def test_the_pass_keeps_a_moe_model():
 def test_refusals_name_the_problem_and_the_fix(tmp_path):
     with pytest.raises(QuantkitError, match="drop clip .the format's range search, mse, plays clipping's part"):
         resolve_plan("awq", scheme="NVFP4A16", options={"clip": True, "n_grid": 10})
-    with pytest.raises(QuantkitError, match="W4AFP8 has integer weights: AWQ before it is not built yet"):
-        resolve_plan("awq", scheme="W4AFP8")
     with pytest.raises(QuantkitError, match="with round-to-nearest takes no method options; drop mse"):
         resolve_plan("awq", scheme="NVFP4A16", options={"mse": False})  # a default-valued option is not dropped
     with pytest.raises(QuantkitError, match="awq before --scheme MXFP4A16 measures activations: it needs calibration"):
@@ -83,3 +81,32 @@ def test_refusals_name_the_problem_and_the_fix(tmp_path):
     assert not (tmp_path / "x").exists()
     plan = resolve_plan("awq,gptq", scheme="nvfp4a16", options={"n_grid": 10, "damp_percent": 0.02})
     assert plan.recipe.name == "awq+gptq" and plan.calibration is not None
+
+
+def test_w4afp8_takes_the_integer_awq_exactly_as_the_integer_path_runs_it(tmp_path):
+    """W4AFP8's weights are int4 groups of 128: `--method awq` before it is the integer AWQ transform (with its
+    clipping) finished by round-to-nearest, so the written weights (as compressed-tensors decompresses them,
+    checked by _kl_of_written) are exactly the integer pipeline's `awq` on that scheme, norms included; and
+    the checkpoint is closer to full precision than W4AFP8's round-to-nearest."""
+    pytest.importorskip("compressed_tensors")
+    from quantkit.models import get_adapter
+    from quantkit.pipeline import quantize_model
+    from quantkit.quantizers.recipe import build_recipe
+
+    rtn = write(_outlier_llama(), preset("W4AFP8"), tmp_path / "rtn")
+    model = _outlier_llama()
+    awq = write(model, preset("W4AFP8"), tmp_path / "awq", method="awq", calibration=CALIBRATION)
+    plan = resolve_plan("awq", scheme="W4AFP8", options={"n_grid": 20})
+    assert plan.recipe.name == "awq" and plan.calibration is not None
+    integer = _outlier_llama()
+    names = pipeline_linears(integer, DEFAULT_IGNORE)[1]
+    results = quantize_model(integer, get_adapter(integer), build_recipe("awq", {}),
+                             dict.fromkeys(names, LinearScheme(bits=4, group_size=128, sym=True)), CALIBRATION,
+                             batch_size=8, progress=False)
+    assert sorted(awq) == sorted(names)
+    for name in names:
+        assert torch.equal(awq[name], results[name].dequantize()), name
+    for a, b in zip(model.model.layers, integer.model.layers):
+        assert torch.equal(a.input_layernorm.weight, b.input_layernorm.weight)
+    kl_rtn, kl_awq = _kl_of_written(tmp_path / "rtn", rtn), _kl_of_written(tmp_path / "awq", awq)
+    assert kl_awq < 0.6 * kl_rtn, (kl_awq, kl_rtn)  # measured (seed 0): 0.0018 -> 0.0008

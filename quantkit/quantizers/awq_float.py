@@ -32,9 +32,9 @@ class FloatAWQ(float_passes.PresetTransform, AWQTransform):
     name = "awq"
 
     def __init__(self, preset: SchemePreset, **options):
-        if preset.weights.kind != "float":
-            raise QuantkitError(f"--scheme {preset.name} has integer weights: AWQ before it is not built yet; use "
-                                "--method rtn or gptq (or an integer scheme with --method awq)")
+        if preset.weights.kind != "float":  # float_checkpoint.write runs the integer AWQ for those
+            raise QuantkitError(f"--scheme {preset.name} has integer weights: FloatAWQ searches float grids; the "
+                                "integer AWQ transform (quantizers.awq) serves it")
         super().__init__(**options, clip=False)
         self.preset = preset
         self.needs_calibration = True
