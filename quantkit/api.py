@@ -202,8 +202,8 @@ def quantize(
         if serving is not None:
             job["serving"] = serving
         with bounded_heap() if layer_source is not None else contextlib.nullcontext():  # scoped to this run
-            moe = _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job, output, tokenizer,
-                                       base_name, save_dtype, shard_bytes, overwrite, resolved.to_yaml(), kv_scales)
+            reports = _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job, output, tokenizer,
+                                           base_name, save_dtype, shard_bytes, overwrite, resolved.to_yaml(), kv_scales)
     if comm is not None:
         from quantkit.pipeline.distributed import leave_group
 
@@ -211,7 +211,7 @@ def quantize(
     if not lead:
         return None
     del hf_model  # --eval loads the written checkpoint instead
-    extra = {**({"moe": moe} if moe else {}),
+    extra = {**(reports or {}),
              **({"ranks": comm.world, "collective_bytes": dict(comm.traffic)} if comm is not None else {}),
              **({"placement": layer_source.placement()} if device_map is not None else {})}
     summarize = lambda metrics: _summary(output, plan, schemes, layer_source, cal_batch, t0, metrics)  # noqa: E731
@@ -679,7 +679,9 @@ def _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job: dict,
                          base_name: str, save_dtype, max_shard_size: int, overwrite: bool,
                          recipe_yaml: str, kv_scales=None) -> Optional[dict]:
     """Calibrate, then write the checkpoint (with `recipe_yaml` as recipe.yaml, inside the staging folder so
-    it lands with the rest, and `kv_scales` if any); returns a MoE model's calibration report (None if dense)."""
+    it lands with the rest, and `kv_scales` if any); returns the run's reports for its summary: a MoE model's
+    calibration ("moe") and the refiners' per-layer choices ("refinement"), each only where there is one (None on
+    the ranks that do not write)."""
     from quantkit.run_recipe import RECIPE_FILE
 
     from quantkit.checkpoint import write_checkpoint
@@ -697,6 +699,7 @@ def _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job: dict,
                               | set(adapter.full_precision_modules(hf_model)))
         moe = (moe_report(adapter, adapter.layers_prefix(hf_model), job["experts"], job["stats"], plan, serving)
                if job["experts"] is not None else None)
+        refinement = plan.recipe.refinement_report(job["stats"])  # (summary, card section) or None
         if plan.gguf_type is not None:
             (disk.folder / RECIPE_FILE).write_text(recipe_yaml)
             _write_gguf(output, hf_model, tokenizer, disk, adapter.layers_prefix(hf_model), plan.gguf_type,
@@ -705,12 +708,13 @@ def _calibrate_and_write(hf_model, adapter, plan, schemes, input_ids, job: dict,
             write_checkpoint(output, hf_model, tokenizer, disk, adapter.layers_prefix(hf_model), plan.format,
                              plan.method_info(), plan.recipe.format_extra(), base_name, save_dtype, ignore_names,
                              max_shard_size=max_shard_size, overwrite=overwrite, rename=adapter.checkpoint_name,
-                             moe=moe, extra_files={RECIPE_FILE: recipe_yaml}, kv_scales=kv_scales)
+                             moe=moe, extra_files={RECIPE_FILE: recipe_yaml}, kv_scales=kv_scales,
+                             card_extra=refinement[1] if refinement else "")
     except QuantkitError:
         if disk is not None and not disk.done_layers():
             shutil.rmtree(disk.folder, ignore_errors=True)  # nothing worth resuming: leave no trace
         raise
-    return moe
+    return {**({"moe": moe} if moe else {}), **({"refinement": refinement[0]} if refinement else {})}
 
 
 def _summary(output: Path, plan, schemes: dict, layer_source, cal_batch, t0: float, metrics) -> dict[str, Any]:

@@ -125,12 +125,14 @@ def write_checkpoint(
     moe: Optional[dict[str, Any]] = None,
     extra_files: Optional[dict[str, str]] = None,
     kv_scales=None,
+    card_extra: str = "",
 ) -> Path:
     """Write the checkpoint into the run's staging folder, drop the progress files, rename into place.
     `rename` maps layer tensor names to the family's checkpoint names; `moe` is a MoE run's report
     (model card section and MOE_REPORT); `extra_files` {name: text} land with the rest (recipe.yaml);
     `kv_scales` (quantkit.kv_calibration.KVScales, compressed-tensors only) adds the attention modules'
-    k_scale / v_scale tensors and the config's kv_cache_scheme."""
+    k_scale / v_scale tensors and the config's kv_cache_scheme; `card_extra` is appended to the model card
+    (the refiners' section)."""
     output = Path(output)
     check_output_dir(output, overwrite)
     fmt = get_format(format_name)
@@ -161,7 +163,7 @@ def write_checkpoint(
     if moe is not None:
         card += moe_card_section(moe)
         (stage / MOE_REPORT).write_text(json.dumps(moe, indent=1, sort_keys=True) + "\n")
-    (stage / "README.md").write_text(card)
+    (stage / "README.md").write_text(card + card_extra)
     for name, text in (extra_files or {}).items():
         (stage / name).write_text(text)
     shutil.rmtree(stage / LAYER_DIR)

@@ -204,3 +204,26 @@ def test_two_ranks_and_a_resume_write_the_single_process_bytes(tiny_llama_dir, t
     quantkit.quantize(str(tiny_llama_dir), "gptq,signround", output=tmp_path / "resumed", resume=True, nproc=2,
                       **kwargs)
     assert tree_sha256(tmp_path / "resumed") == tree_sha256(tmp_path / "one")
+
+
+def test_the_run_reports_per_layer_what_signround_kept_in_its_summary_and_card_and_after_a_resume(
+        tiny_llama_dir, tmp_path, monkeypatch):
+    """quantize's summary and model card say per run which state signround kept (tuned, the quantizer's, the
+    start) in how many layers; the per-layer reports live with the layers in the progress store, so a run
+    interrupted after layer 0 and resumed reports exactly what the uninterrupted one does."""
+    import quantkit
+
+    kwargs = dict(group_size=32, num_samples=16, seq_len=24, dataset="lee", progress=False,
+                  options={"gptaq": True, "iters": 4, "eval_every": 2, "start": "rtn"})
+    one = quantkit.quantize(str(tiny_llama_dir), "gptq,signround", output=tmp_path / "one", **kwargs)
+    report = one["refinement"]["signround"]
+    assert report["layers"] == 2 and sum(report["kept"].values()) == 2
+    assert report["mean_held_out_change"] <= 0  # the start is a candidate: never worse on those rows
+    card = (tmp_path / "one" / "README.md").read_text()
+    assert "## Refinement" in card and "- signround (2 layers): kept the tuned state in" in card
+    interrupt_after_first_layer(monkeypatch, lambda: quantkit.quantize(
+        str(tiny_llama_dir), "gptq,signround", output=tmp_path / "resumed", **kwargs))
+    resumed = quantkit.quantize(str(tiny_llama_dir), "gptq,signround", output=tmp_path / "resumed", resume=True,
+                                **kwargs)
+    assert resumed["refinement"] == one["refinement"]
+    assert tree_sha256(tmp_path / "resumed") == tree_sha256(tmp_path / "one")

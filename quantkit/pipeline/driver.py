@@ -132,11 +132,15 @@ class LayerByLayer:
         if self.recipe.refiners:  # the layer's weights improved together; its outputs are then run anew
             layer_results = self.recipe.refine_layer(ctx, layer_results, self.device_of(i), self.compute_dtype)
             outputs = None
+            reports = self.recipe.layer_reports(i)
+            if reports:  # persisted with the layer (its stats), so a resumed run reports every layer
+                self.layer_stats.setdefault(i, {})["refiners"] = reports
         self.advance(i, outputs if float_outputs is None else float_outputs)
         ctx.reference_layer = ctx.reference_outputs = None
         self.recipe.end_layer(ctx)
         if experts is not None:
-            self.layer_stats[i] = {"experts": experts.stats(), "uncalibrated_method": self.recipe.uncalibrated_method}
+            self.layer_stats.setdefault(i, {}).update(experts=experts.stats(),
+                                                      uncalibrated_method=self.recipe.uncalibrated_method)
         self.check_replicas(i)
         return layer_results
 

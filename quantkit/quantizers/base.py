@@ -258,6 +258,15 @@ class Refiner(Step):
         left fake-quantized with what it returns."""
         raise NotImplementedError
 
+    def layer_report(self, index: int) -> Optional[dict]:
+        """What the step did to layer `index` (JSON-able), kept with the layer in the progress store so a
+        resumed run reports every layer; None: nothing to report."""
+        return None
+
+    def summarize(self, reports: dict[int, dict]) -> tuple[dict, str]:
+        """(the run's summary of the per-layer reports, one model-card line saying it)."""
+        return {"layers": len(reports)}, f"- {self.name}: {len(reports)} layers"
+
 
 def register_step(cls: type[Step]) -> type[Step]:
     if not cls.name or cls.kind not in ("transform", "quantizer", "refiner"):

@@ -9,7 +9,7 @@ finished by round-to-nearest, `smoothquant` the smoothing transform finished by 
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -178,6 +178,25 @@ class Recipe:
         for r in self.refiners:
             results = r.refine_layer(ctx, results, device, compute_dtype)
         return results
+
+    def layer_reports(self, index: int) -> dict[str, dict]:
+        """{refiner name: what it did to layer `index`} for the refiners that report (Refiner.layer_report)."""
+        reports = {r.name: r.layer_report(index) for r in self.refiners}
+        return {name: rep for name, rep in reports.items() if rep is not None}
+
+    def refinement_report(self, layer_stats: dict[int, dict]) -> Optional[tuple[dict, str]]:
+        """(summary per refiner, model-card section) from the per-layer reports the pipeline kept in its layer
+        stats (`layer_reports`, restored on resume); None when no refiner reported."""
+        summaries, lines = {}, []
+        for r in self.refiners:
+            reports = {int(i): s["refiners"][r.name] for i, s in layer_stats.items()
+                       if r.name in (s or {}).get("refiners", {})}
+            if reports:
+                summaries[r.name], line = r.summarize(reports)
+                lines.append(line)
+        if not summaries:
+            return None
+        return summaries, "\n".join(["", "## Refinement", "", *lines, ""])
 
     def plain_rtn(self, ctx: LayerContext, name: str) -> QuantizedWeight:
         """Linear `name` (relative to the layer) of the unquantized layer (after the transforms) rounded

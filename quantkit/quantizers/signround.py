@@ -194,6 +194,24 @@ class SignRoundRefiner(Refiner):
             raise QuantkitError(f"signround option scale_range must be [low, high] with 0 < low <= 1 <= high, got {rng!r}")
         self.log: list[dict] = []  # per layer: held-out loss at the start and of the state kept
 
+    def layer_report(self, index: int) -> dict | None:
+        entries = [e for e in self.log if e["layer"] == index]
+        if not entries:
+            return None
+        e = entries[-1]
+        return {"kept": e["kept"], "best_step": e["best_step"], "held_out_start": e["held_out_start"],
+                "held_out_kept": e["held_out_best"], "held_out_quantizer": e["held_out_quantizer"]}
+
+    def summarize(self, reports: dict[int, dict]) -> tuple[dict, str]:
+        kept = {k: sum(r["kept"] == k for r in reports.values()) for k in ("tuned", "quantizer", "start")}
+        ratios = [r["held_out_kept"] / r["held_out_start"] for r in reports.values() if r["held_out_start"] > 0]
+        change = sum(ratios) / len(ratios) - 1.0 if ratios else 0.0
+        summary = {"layers": len(reports), "kept": kept, "mean_held_out_change": round(change, 4)}
+        line = (f"- signround ({len(reports)} layers): kept the tuned state in {kept['tuned']}, the quantizer's own "
+                f"solution in {kept['quantizer']} and the start in {kept['start']}; layer-output error on held-out "
+                f"calibration sequences {100 * change:+.1f} % against the start, mean over layers")
+        return summary, line
+
     def check_scheme(self, scheme) -> None:
         if getattr(scheme, "grid", None):
             raise QuantkitError("signround tunes integer grids with a zero point, not GGUF's block grids; "
