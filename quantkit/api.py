@@ -451,7 +451,6 @@ def vllm_moe_serving(plan, adapter, hf_model, schemes: dict) -> dict[str, Any]:
     when none will: the checkpoint still loads in quantkit (and, compressed-tensors, in transformers)."""
     from quantkit.formats.vllm_moe import moe_kernel
     from quantkit.notices import notice
-    from quantkit.qtensor import LinearSpec
 
     prefix, shapes = adapter.layers_prefix(hf_model), adapter.linear_shapes(hf_model)
     for i, layer in enumerate(adapter.decoder_layers(hf_model)):
