@@ -40,15 +40,13 @@ QUANTKIT_ROWS = {
     # 2026-12-07) instead of weighted by its input's mean square
     "gptq unweighted": ["--method", "gptq", "--option", "weighted_search=false"],
     "awq": ["--method", "awq", "--sym", "--format", "gptq"],  # AWQ defaults to a zero point: the sym row says so
-    # the KL-best recipe: auto-round's rule (below) at 100 steps per layer (configs/best-w4.yaml)
+    # the KL-best recipe (configs/best-w4.yaml): per layer the better, on held-out calibration sequences, of
+    # auto-round's rule (below) at 100 steps from round-to-nearest and GPTQ + GPTAQ's solution (signround's
+    # start=rtn); until 2026-12-07 best-w4 was the rule alone, the "signround 100" row
     "best": ["--recipe", "best-w4"],
     # GPTQ + GPTAQ on the full-range grid (configs/gptaq-w4.yaml, best-w4 until 2026-12-06), then with
     # small sign-gradient steps from its solution (configs/gptaq-w4-signround.yaml)
     "gptaq": ["--recipe", "gptaq-w4"],
-    # best-w4's steps from the same round-to-nearest start, with GPTAQ's solution (gptaq-w4's) competing
-    # per layer for the state kept on the held-out calibration sequences (signround option start=rtn)
-    "best gptaq": ["--recipe", "best-w4", "--method", "gptq,signround", "--option", "gptaq=true",
-                   "--option", "mse=true", "--option", "start=rtn"],
     "gptaq signround": ["--recipe", "gptaq-w4-signround"],
     # plain GPTQ on auto-round's full-range symmetric grid (signed absmax/8: quantizers.grid.SYM_RANGES)
     "gptq full": ["--method", "gptq", "--option", "sym_range=full"],
@@ -56,6 +54,7 @@ QUANTKIT_ROWS = {
     # grid (no range search), group scales only shrinking (auto-round's min/max factors are at most 1),
     # bf16 steps as auto-round's CPU default; light = 50 steps per layer, as auto-round's light setting
     "signround light": ["--method", "rtn,signround", *_AUTOROUND_RULE, "--option", "iters=50"],
+    "signround 100": ["--method", "rtn,signround", *_AUTOROUND_RULE, "--option", "iters=100"],
     "signround": ["--method", "rtn,signround", *_AUTOROUND_RULE, "--option", "iters=200"],
 }
 ASYM_QUANTKIT_ROWS = {"gptq asym": ["--method", "gptq", "--asym"], "awq asym": ["--method", "awq", "--asym",
