@@ -186,15 +186,17 @@ def test_options_are_checked_with_one_line():
         _quantize("gptq,signround", {"iters": 2}, n=12)
 
 
-@pytest.mark.slow  # two gloo ranks and four runs: about 2 minutes on a busy 2-core machine
-def test_two_ranks_and_a_resume_write_the_single_process_bytes(tiny_llama_dir, tmp_path, monkeypatch):
+@pytest.mark.slow  # two gloo ranks and four runs each: about 2 minutes each on a busy 2-core machine
+@pytest.mark.parametrize("start", [{"start_position": "rounded"}, {"start": "rtn"}])
+def test_two_ranks_and_a_resume_write_the_single_process_bytes(tiny_llama_dir, tmp_path, monkeypatch, start):
     """Gradients summed over the fixed shard tree, held-out losses in shard order: `--nproc 2` and a run
     interrupted after layer 0 and resumed on two ranks write the bytes of one uninterrupted process
-    (from the "rounded" start: GPTQ's rounded weights are gathered from the ranks' row shares too)."""
+    (from the "rounded" start: GPTQ's rounded weights are gathered from the ranks' row shares too; from the
+    round-to-nearest start, best-w4's, with GPTAQ's solution competing on the ranks' held-out rows)."""
     import quantkit
 
     kwargs = dict(group_size=32, num_samples=19, seq_len=24, dataset="lee", progress=False,
-                  options={"gptaq": True, "iters": 6, "eval_every": 2, "start_position": "rounded"})
+                  options={"gptaq": True, "iters": 6, "eval_every": 2, **start})
     one = quantkit.quantize(str(tiny_llama_dir), "gptq,signround", output=tmp_path / "one", **kwargs)
     two = quantkit.quantize(str(tiny_llama_dir), "gptq,signround", output=tmp_path / "two", nproc=2, **kwargs)
     assert two["ranks"] == 2 and "ranks" not in one
