@@ -130,11 +130,8 @@ class LayerByLayer:
                                                                self.activation_device)
             ctx.reference_inputs = None
         if self.recipe.refiners:  # the layer's weights improved together; its outputs are then run anew
-            layer_results = self.recipe.refine_layer(ctx, layer_results, self.device_of(i), self.compute_dtype)
+            layer_results = self.refine(i, ctx, layer_results)
             outputs = None
-            reports = self.recipe.layer_reports(i)
-            if reports:  # persisted with the layer (its stats), so a resumed run reports every layer
-                self.layer_stats.setdefault(i, {})["refiners"] = reports
         self.advance(i, outputs if float_outputs is None else float_outputs)
         ctx.reference_layer = ctx.reference_outputs = None
         self.recipe.end_layer(ctx)
@@ -142,6 +139,15 @@ class LayerByLayer:
             self.layer_stats.setdefault(i, {}).update(experts=experts.stats(),
                                                       uncalibrated_method=self.recipe.uncalibrated_method)
         self.check_replicas(i)
+        return layer_results
+
+    def refine(self, i: int, ctx: LayerContext, layer_results: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+        """Layer i's results as the refiners leave them; what they report is kept in the layer's stats
+        (persisted with the layer, so a resumed run reports every layer)."""
+        layer_results = self.recipe.refine_layer(ctx, layer_results, self.device_of(i), self.compute_dtype)
+        reports = self.recipe.layer_reports(i)
+        if reports:
+            self.layer_stats.setdefault(i, {})["refiners"] = reports
         return layer_results
 
     def check_replicas(self, i: int) -> None:
