@@ -164,9 +164,7 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     from quantkit.quantizers import float_passes
 
     integer = preset.weights.kind == "int"  # W4AFP8: the integer steps, with their own options
-    first, method = float_passes.parse_method(method)
-    if integer and first is not None and first.name == "awq":  # integer weights: AWQ's own integer transform
-        first, method = None, "awq" if method == "rtn" else "awq,gptq"  # inside the integer recipe (clipping too)
+    first, method = float_passes.parse_method(method, preset)
     pass_options, options = first.split(options or {}) if first is not None else ({}, dict(options or {}))
     if method == "rtn" and calibration is not None and not preset.calibrates_activations and first is None:
         raise QuantkitError(f"round-to-nearest onto --scheme {preset.name} reads no calibration data; drop it or use "

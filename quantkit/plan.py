@@ -298,9 +298,7 @@ def _check_float_preset(p: SchemePreset, recipe: Recipe, options: Optional[dict]
                             f"{recipe.name}")
     if gguf_type is not None:
         raise QuantkitError(f"--scheme {p.name} is a compressed-tensors scheme; drop --gguf-type")
-    first, finish = float_passes.parse_method(recipe.name)
-    if p.weights.kind == "int" and first is not None and first.name == "awq":
-        first = None  # W4AFP8's integer weights: the integer AWQ transform in the integer recipe, its own options
+    first, finish = float_passes.parse_method(recipe.name, p)
     given = dict(non_default_options(recipe))
     declared = recipe.transforms[0].options_spec if first is not None else {}
     if first is not None:  # the transform's options are the pass's, as given (a default-valued one too); its

@@ -109,9 +109,13 @@ def registered() -> dict[str, FloatPass]:
     return PASSES
 
 
-def parse_method(method: str) -> tuple[Optional[FloatPass], str]:
-    """("smoothquant+gptq" ->) the pass a float method starts with (None) and the method that finishes it."""
+def parse_method(method: str, preset: SchemePreset) -> tuple[Optional[FloatPass], str]:
+    """("smoothquant+gptq" ->) the pass a float method starts with (None) and the method that finishes it. AWQ
+    before a preset with integer weights (W4AFP8) is no pass: the integer AWQ transform (its clipping included)
+    runs inside the integer recipe that finishes it, "awq" or "awq,gptq"."""
     head, _, rest = method.partition("+")
+    if head == "awq" and preset.weights.kind == "int":
+        return None, "awq" if rest in ("", "rtn") else f"awq,{rest}"
     if head in registered():
         return PASSES[head], rest or "rtn"
     return None, method
