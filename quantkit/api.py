@@ -94,8 +94,8 @@ def quantize(
     resolved on the model: `quantize(recipe="<ckpt>/recipe.yaml", output=...)` writes the same bytes
     (its source model, dtype and shard size are used where not given; calibration on in-memory
     data needs the same tokens passed again as `dataset`, other tokens are refused).
-    `scheme` names a compressed-tensors preset (W4A16, W8A16, W8A8, FP8_DYNAMIC, FP8_BLOCK,
-    NVFP4A16, MXFP4A16, MXFP4; case-insensitive) instead of bits/group_size/sym. `kv_cache_scheme` "fp8"
+    `scheme` names a compressed-tensors preset (W4A16, W8A16, W8A8, FP8, FP8_DYNAMIC, FP8_BLOCK,
+    NVFP4A16, NVFP4, MXFP4A16, MXFP4, MXFP4XFP8, MXFP8A16, MXFP8, W4AFP8; case-insensitive) instead of bits/group_size/sym. `kv_cache_scheme` "fp8"
     (one scale per layer) or "fp8-head" (one per KV head) calibrates static FP8 KV-cache scales on the
     calibration tokens and writes them as compressed-tensors' kv_cache_scheme (quantkit.kv_calibration).
 

@@ -23,9 +23,9 @@ from typing import Iterable, Optional
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.float_codecs import fp8, mxfp4, nvfp4, scale_search
+from quantkit.float_codecs import fp8, mxfp4, mxfp8, nvfp4, scale_search
 from quantkit.float_codecs.fused_global_scale import shared_global_scales
-from quantkit.formats import compressed_tensors, ct_float_quantized, ct_mxfp4, ct_nvfp4, ct_w4afp8
+from quantkit.formats import compressed_tensors, ct_float_quantized, ct_mxfp4, ct_mxfp8, ct_nvfp4, ct_w4afp8
 from quantkit.formats.ct_float_layouts import LAYOUTS, args_from_config
 from quantkit.formats.registry import float_layout_for, get
 from quantkit.model_files import check_folder_links, safetensors_files
@@ -33,7 +33,8 @@ from quantkit.qtensor import QuantizedWeight
 from quantkit.scheme_presets import QuantArgs, SchemePreset
 
 CT_VERSION = "0.20.1"  # the compressed-tensors release whose config schema this follows
-WRITABLE = ("FP8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "W4AFP8")
+WRITABLE = ("FP8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "MXFP4XFP8", "MXFP8A16", "MXFP8",
+            "W4AFP8")
 DEFAULT_IGNORE = (r"(^|\.)lm_head$",)
 
 
@@ -67,6 +68,9 @@ def quantize_weight(weight: torch.Tensor, preset: SchemePreset, global_scale: to
     if layout == ct_nvfp4.FORMAT:
         q = nvfp4.quantize(weight, gscale=global_scale, search=search)
         return ct_nvfp4.pack(q), q.dequantize()
+    if layout == ct_mxfp8.FORMAT:
+        q = mxfp8.quantize(weight, search=search)
+        return ct_mxfp8.pack(q), q.dequantize()
     q = mxfp4.quantize(weight, search=search)
     return ct_mxfp4.pack(q), q.dequantize()
 
@@ -365,7 +369,7 @@ def _save(out: Path, state: dict[str, torch.Tensor], config: dict, max_shard_siz
 
 def read_dequantized(folder: os.PathLike) -> dict[str, torch.Tensor]:
     """{module name: float32 weight} of a single-group compressed-tensors float checkpoint in `folder`
-    (float-quantized, nvfp4-pack-quantized, mxfp4-pack-quantized, or W4AFP8's pack-quantized), reading only
+    (float-quantized, mxfp8-quantized, nvfp4-pack-quantized, mxfp4-pack-quantized, or W4AFP8's pack-quantized), reading only
     the safetensors files its index or `model.safetensors` names, each checked to stay inside the folder
     (quantkit.model_files; no pickle)."""
     from safetensors.torch import load_file
@@ -394,15 +398,16 @@ def read_dequantized(folder: os.PathLike) -> dict[str, torch.Tensor]:
         except Exception as exc:  # safetensors raises its own error type for a damaged file
             raise QuantkitError(f"cannot read {path.name}: {str(exc).splitlines()[0] if str(exc) else exc!r}; "
                                 "the file is damaged, re-download or re-export it") from None
-    marker = "weight_packed" if layout is not ct_float_quantized else "weight_scale"
+    unpacked = layout in (ct_float_quantized, ct_mxfp8)  # FP8 elements stored as they are, one per byte
+    marker = "weight_scale" if unpacked else "weight_packed"
     modules = sorted(k[: -len(marker) - 1] for k in tensors if k.endswith("." + marker))
     out = {}
     for name in modules:
         own = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
-        if layout is ct_float_quantized:
+        if unpacked:
             if "weight" not in own:
                 raise QuantkitError(f"{name} has a weight_scale but no weight; the checkpoint is incomplete")
-            q = layout.unpack(own, tuple(own["weight"].shape), weights.strategy, weights.block_size)
+            q = layout.read(own, tuple(own["weight"].shape), weights)
         elif layout is ct_w4afp8:
             if "weight_shape" not in own:
                 raise QuantkitError(f"{name} has a weight_packed but no weight_shape; the checkpoint is incomplete")

@@ -77,7 +77,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s("recipe", RECIPE, "YAML recipe: a path, a bundled name, or a checkpoint's recipe.yaml (repeats that run); "
                          "flags override it.", types=()),
     _s("scheme", RECIPE, "A named scheme instead of --bits/--group-size/--sym: W4A16, W8A16, W8A8, FP8, FP8_DYNAMIC, "
-                         "FP8_BLOCK, NVFP4A16, NVFP4, MXFP4A16, MXFP4, W4AFP8 (case-insensitive). Float ones take "
+                         "FP8_BLOCK, NVFP4A16, NVFP4, MXFP4A16, MXFP4, MXFP4XFP8, MXFP8A16, MXFP8, W4AFP8 (case-insensitive). Float ones take "
                          "--method rtn (their default; NVFP4 / MXFP4: smoothquant), gptq, smoothquant[,gptq] or "
                          "awq[,gptq].", types=_STR),
     _s("bits", RECIPE, "2, 3, 4 or 8 (default 4).", types=_INT, type=int),

@@ -91,7 +91,7 @@ def _int_weights(bits: int, strategy: str = "group", group_size: Optional[int] =
 
 _FP8_TOKEN = QuantArgs("float", 8, "token", dynamic=True)
 _FP4_GROUP16 = dict(group_size=16, scale_dtype="float8_e4m3fn")
-_FP4_GROUP32 = dict(group_size=32, scale_dtype="uint8")
+_MX_GROUP32 = dict(group_size=32, scale_dtype="uint8")  # every MX format: groups of 32 under an E8M0 exponent
 
 PRESETS: dict[str, SchemePreset] = {p.name: p for p in (
     SchemePreset("FP8", QuantArgs("float", 8, "tensor"), QuantArgs("float", 8, "tensor")),
@@ -101,9 +101,15 @@ PRESETS: dict[str, SchemePreset] = {p.name: p for p in (
     SchemePreset("NVFP4A16", QuantArgs("float", 4, "tensor_group", **_FP4_GROUP16)),
     SchemePreset("NVFP4", QuantArgs("float", 4, "tensor_group", **_FP4_GROUP16),
                  QuantArgs("float", 4, "tensor_group", dynamic="local", **_FP4_GROUP16)),
-    SchemePreset("MXFP4A16", QuantArgs("float", 4, "group", **_FP4_GROUP32)),
-    SchemePreset("MXFP4", QuantArgs("float", 4, "group", **_FP4_GROUP32),
-                 QuantArgs("float", 4, "group", dynamic=True, **_FP4_GROUP32)),
+    SchemePreset("MXFP4A16", QuantArgs("float", 4, "group", **_MX_GROUP32)),
+    SchemePreset("MXFP4", QuantArgs("float", 4, "group", **_MX_GROUP32),
+                 QuantArgs("float", 4, "group", dynamic=True, **_MX_GROUP32)),
+    # MXFP4 weights under FP8 inputs in groups of 128 (FP8_BLOCK's activations): compressed-tensors' MXFP4xFP8
+    SchemePreset("MXFP4XFP8", QuantArgs("float", 4, "group", **_MX_GROUP32),
+                 QuantArgs("float", 8, "group", group_size=128, dynamic=True)),
+    SchemePreset("MXFP8A16", QuantArgs("float", 8, "group", **_MX_GROUP32)),
+    SchemePreset("MXFP8", QuantArgs("float", 8, "group", **_MX_GROUP32),
+                 QuantArgs("float", 8, "group", dynamic=True, **_MX_GROUP32)),
     SchemePreset("W4AFP8", _int_weights(4), _FP8_TOKEN),
     SchemePreset("W4A16", _int_weights(4)),
     SchemePreset("W8A16", _int_weights(8)),

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Quality side by side: quantkit's methods against llm-compressor's and GPTQModel's, one run.
 
-Every row quantizes the same model with the same scheme (w4g64 symmetric unless the row says asym)
+Every row quantizes the same model with the same scheme (w4g64 symmetric unless the row says asym;
+`--bits` / `--group-size` change it for every row: 3 bits in groups of 128 is auto-round's own default group size)
 on the same calibration token ids (drawn once with quantkit's own pipeline: `--dataset lee`, seed 0,
 written to WORKDIR/calib_ids.safetensors for the peers), in its own subprocess (so peak RSS is that
 run's alone). Every checkpoint is then scored by `quantkit eval --baseline MODEL` on two held-out
@@ -88,7 +89,8 @@ def quantize_rows(args, work: Path, calib_ids: Path, peer_folder: str) -> list[d
         if _reused(args, out, rows):
             continue
         _forget_scores(out)
-        summary, wall = run(quantkit_cli("quantize", "--model", args.model, "--bits", "4", "--group-size", "64",
+        summary, wall = run(quantkit_cli("quantize", "--model", args.model, "--bits", str(args.bits),
+                                         "--group-size", str(args.group_size),
                                          *(calibration if _calibrates(qk_rows[name]) else []), *qk_rows[name],
                                          "--output", str(out), "--overwrite", "--json"))
         _keep(rows, out, {"row": name, "tool": "quantkit", "path": str(out), "seconds": summary["seconds"],
@@ -108,8 +110,9 @@ def quantize_rows(args, work: Path, calib_ids: Path, peer_folder: str) -> list[d
             continue
         _forget_scores(out)  # the peers' scripts write into the folder without emptying it
         env = {"GPTQMODEL_CPU_WORKERS": str(os.cpu_count() or 2)} if tool == "gptqmodel" else None
-        summary, wall = run([pythons[tool], str(HERE / script), "--method", method, "--model", peer_folder, "--bits", "4",
-                             "--group-size", "64", "--calib-ids", str(calib_ids), "--output", str(out), *extra], env=env)
+        summary, wall = run([pythons[tool], str(HERE / script), "--method", method, "--model", peer_folder,
+                             "--bits", str(args.bits), "--group-size", str(args.group_size), "--calib-ids",
+                             str(calib_ids), "--output", str(out), *extra], env=env)
         _keep(rows, out, {"row": name, "tool": tool, "path": str(out), "seconds": summary["seconds"],
                           "process_s": round(wall, 1), "cpu_s": summary["_cpu_s"], "peak_rss_mb": summary["peak_rss_mb"],
                           "scheme": summary.get("scheme"), "version": summary.get("version")})
@@ -121,11 +124,13 @@ def _calibrates(flags: list[str]) -> bool:
     return flags[:2] != ["--method", "rtn"]
 
 
+_SCHEME = {"bits": 4, "group_size": 64}  # this run's (set from --bits / --group-size in main)
 ROW_FILE = "bench_row.json"  # what the bench measured when it quantized the row, beside the checkpoint
 
 
 def _keep(rows: list[dict], out: Path, row: dict) -> None:
     row["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    row["bits"], row["group_size"] = _SCHEME["bits"], _SCHEME["group_size"]
     (out / ROW_FILE).write_text(json.dumps(row, indent=1))
     rows.append(row)
 
@@ -136,7 +141,12 @@ def _reused(args, out: Path, rows: list[dict]) -> bool:
     saved = out / ROW_FILE
     if not (args.reuse and saved.is_file()):
         return False
-    rows.append({**json.loads(saved.read_text()), "reused": True})
+    row = json.loads(saved.read_text())
+    scheme = (row.get("bits", 4), row.get("group_size", 64))  # rows from before --bits were all w4g64
+    if scheme != (args.bits, args.group_size):
+        raise SystemExit(f"--reuse: {out} holds a w{scheme[0]}g{scheme[1]} row, this run asks for "
+                         f"w{args.bits}g{args.group_size}; use another --workdir")
+    rows.append({**row, "reused": True})
     return True
 
 
@@ -233,6 +243,8 @@ def print_times(rows: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo")
+    ap.add_argument("--bits", type=int, default=4, help="every row's weight bits (default 4)")
+    ap.add_argument("--group-size", type=int, default=64, help="every row's group size (default 64)")
     ap.add_argument("--num-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--lee-windows", type=int, default=None, help="held-out windows of 512 (default: all of lee's)")
@@ -256,6 +268,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.rows = set(r.strip() for r in args.rows.split(",")) if args.rows else None
+    _SCHEME.update(bits=args.bits, group_size=args.group_size)
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     calib_ids = work / "calib_ids.safetensors"
@@ -268,7 +281,7 @@ def main() -> None:
     score_rows(args, rows)
     (work / "scores.json").write_text(json.dumps({"rows": rows}))  # kept whatever the printing below does
     print(f"calibration: {args.num_samples} x {args.seq_len} Lee tokens, seed 0, identical ids for every tool; "
-          f"scheme w4g64 symmetric unless the row says asym; scored with --backend {args.backend}; "
+          f"scheme w{args.bits}g{args.group_size} symmetric unless the row says asym; scored with --backend {args.backend}; "
           f"{time.perf_counter() - t0:.0f} s in all")
     print_table(rows)
     if args.paired:

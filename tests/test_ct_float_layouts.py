@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.float_codecs import e8m0, fp8, mxfp4, nvfp4
-from quantkit.formats import ct_float_quantized, ct_mxfp4, ct_nvfp4, fp4_nibbles
+from quantkit.float_codecs import e8m0, fp8, mxfp4, mxfp8, nvfp4
+from quantkit.formats import ct_float_quantized, ct_mxfp4, ct_mxfp8, ct_nvfp4, fp4_nibbles
 
 pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.mxfp4 import MXFP4PackedCompressor  # noqa: E402
+from compressed_tensors.compressors.mxfp8 import MXFP8QuantizationCompressor  # noqa: E402
 from compressed_tensors.compressors.naive_quantized import FloatQuantizationCompressor  # noqa: E402
 from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor  # noqa: E402
 from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8  # noqa: E402
@@ -74,6 +75,46 @@ def test_mxfp4_round_trip_and_compressed_tensors_agree():
     assert torch.equal(ct_read, back.dequantize(torch.bfloat16))
 
 
+def test_mxfp8_follows_its_definition_and_compressed_tensors_agree():
+    w = _weight(seed=3)
+    w[3, 64:96] = 1.76 * 2.0 ** -3  # a group max whose mantissa is past 1.75: its exponent rounds up
+    w[4, 64:96] = 1.74 * 2.0 ** -3  # and one just below: it does not
+    q = mxfp8.quantize(w)
+    # the definition in plain PyTorch: the group max rounded to a power of two (mantissa 1.75 or more rounds
+    # up), minus E4M3's top exponent 8; elements E4M3 of w / 2**e
+    amax = w.reshape(64, 8, 32).abs().amax(-1).double()
+    mantissa, exponent = torch.frexp(amax)
+    power = exponent - 1 + (2 * mantissa >= 1.75).long()
+    want_codes = torch.where(amax > 0, power - 8 + 127, torch.zeros_like(power))
+    assert torch.equal(q.scale_codes.long(), want_codes)
+    assert int(q.scale_codes[3, 2]) == int(q.scale_codes[4, 2]) + 1
+    scale = torch.pow(2.0, want_codes.double() - 127).repeat_interleave(32, dim=1)
+    want = (w.double() / scale).float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(q.values.view(torch.uint8), want.view(torch.uint8))
+    assert float((w.double() / scale).abs().max()) < 448  # the rule never needs the clamp at +-448
+    # compressed-tensors' own scale rule (generate_mx_scales for 8-bit elements) gives the same exponents
+    from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
+    theirs = generate_mx_scales(w.reshape(64, 8, 32).abs().amax(-1), num_bits=8)
+    nonzero = amax > 0
+    assert torch.equal(theirs[nonzero].long(), q.scale_codes[nonzero].long())
+
+    tensors = ct_mxfp8.pack(q)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()} == {
+        "weight": ((64, 256), torch.float8_e4m3fn), "weight_scale": ((64, 8), torch.uint8)}
+    back = ct_mxfp8.unpack(tensors, (64, 256))
+    assert torch.equal(back.values.view(torch.uint8), q.values.view(torch.uint8))
+    assert torch.equal(back.scale_codes, q.scale_codes)
+
+    scheme = preset_name_to_scheme("MXFP8A16", ["Linear"])
+    ct_written = MXFP8QuantizationCompressor.compress({"weight": w, "weight_scale": e8m0.decode(q.scale_codes)}, scheme)
+    assert torch.equal(ct_written["weight"].view(torch.uint8), tensors["weight"].view(torch.uint8))
+    assert torch.equal(ct_written["weight_scale"], tensors["weight_scale"])
+    ct_read = MXFP8QuantizationCompressor.decompress(dict(tensors), scheme)["weight"]
+    assert torch.equal(ct_read.float(), back.dequantize())  # E4M3 times a power of two: exact in bfloat16
+    with pytest.raises(QuantkitError, match="MXFP8 has no range search"):
+        mxfp8.quantize(w, search=True)
+
+
 @pytest.mark.parametrize("preset, strategy, block, shape", [
     ("FP8", "tensor", None, (64, 256)), ("FP8_DYNAMIC", "channel", None, (64, 256)),
     ("FP8_BLOCK", "block", (128, 128), (64, 256)), ("FP8_BLOCK", "block", (128, 128), (200, 300))])
@@ -111,10 +152,14 @@ def test_each_layout_says_which_presets_it_can_store():
     from quantkit.scheme_presets import PRESETS
 
     stores = {mod.FORMAT: sorted(n for n, p in PRESETS.items() if mod.can_store(p.weights)[0])
-              for mod in (ct_float_quantized, ct_nvfp4, ct_mxfp4)}
+              for mod in (ct_float_quantized, ct_mxfp8, ct_nvfp4, ct_mxfp4)}
     assert stores == {"float-quantized": ["FP8", "FP8_BLOCK", "FP8_DYNAMIC"],
+                      "mxfp8-quantized": ["MXFP8", "MXFP8A16"],
                       "nvfp4-pack-quantized": ["NVFP4", "NVFP4A16"],
-                      "mxfp4-pack-quantized": ["MXFP4", "MXFP4A16"]}
+                      "mxfp4-pack-quantized": ["MXFP4", "MXFP4A16", "MXFP4XFP8"]}
+    ok, reason = ct_mxfp8.can_store(PRESETS["FP8_BLOCK"].weights)
+    assert not ok and reason == ("mxfp8-quantized stores FP8 (E4M3) weights in groups of 32 with E8M0 scales, not "
+                                 "float 8-bit block group None scale None")
     ok, reason = ct_mxfp4.can_store(PRESETS["NVFP4A16"].weights)
     assert not ok and reason.startswith("mxfp4-pack-quantized stores FP4 (E2M1) weights in groups of 32")
     assert ct_float_quantized.can_store(PRESETS["W4AFP8"].weights) == (

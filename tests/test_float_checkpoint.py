@@ -98,7 +98,7 @@ def _fused_siblings(model, module_name):
     return [model.get_submodule(module_name).weight]
 
 
-@pytest.mark.parametrize("name", ["NVFP4A16", "MXFP4A16", "FP8_DYNAMIC", "FP8_BLOCK"])
+@pytest.mark.parametrize("name", ["NVFP4A16", "MXFP4A16", "MXFP8A16", "FP8_DYNAMIC", "FP8_BLOCK"])
 def test_quantkit_reads_a_checkpoint_compressed_tensors_wrote(tmp_path, name):
     """compressed-tensors writes (its apply_quantization_config + ModelCompressor, scales from its own
     calculate_qparams / generate_gparam, as llm-compressor's RTN would); quantkit's reader must get exactly the

@@ -98,7 +98,7 @@ def test_nvfp4_input_global_scale_is_compressed_tensors_generate_gparam(tmp_path
                            state[f"{layer}.mlp.up_proj.input_global_scale"])
 
 
-@pytest.mark.parametrize("name", ["FP8", "NVFP4", "W4AFP8"])
+@pytest.mark.parametrize("name", ["FP8", "NVFP4", "W4AFP8", "MXFP4XFP8", "MXFP8A16", "MXFP8"])
 def test_config_validates_as_compressed_tensors_preset(tmp_path, name):
     from compressed_tensors.quantization import QuantizationConfig
     from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
@@ -111,9 +111,14 @@ def test_config_validates_as_compressed_tensors_preset(tmp_path, name):
     theirs = preset_name_to_scheme(name, ["Linear"])
     for role in ("weights", "input_activations"):
         got, want = getattr(group, role), getattr(theirs, role)
-        for field in ("type", "num_bits", "strategy", "group_size", "dynamic", "symmetric"):
+        if want is None:
+            assert got is None, role
+            continue
+        for field in ("type", "num_bits", "strategy", "group_size", "dynamic", "symmetric", "scale_dtype"):
             assert getattr(got, field) == getattr(want, field), (role, field)
-    assert parsed.format == {"FP8": "float-quantized", "NVFP4": "nvfp4-pack-quantized", "W4AFP8": "pack-quantized"}[name]
+    assert parsed.format == {"FP8": "float-quantized", "NVFP4": "nvfp4-pack-quantized", "W4AFP8": "pack-quantized",
+                             "MXFP4XFP8": "mxfp4-pack-quantized", "MXFP8A16": "mxfp8-quantized",
+                             "MXFP8": "mxfp8-quantized"}[name]
 
 
 def _unpack_int4_words(words: torch.Tensor, k: int) -> torch.Tensor:

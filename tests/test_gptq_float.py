@@ -55,7 +55,7 @@ def _problem(seed=0, n=48, k=64):
     return W, 2 * X.t() @ X / X.shape[0]
 
 
-@pytest.mark.parametrize("name", ["FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16"])
+@pytest.mark.parametrize("name", ["FP8_DYNAMIC", "FP8_BLOCK", "MXFP8A16", "NVFP4A16", "MXFP4A16"])
 @pytest.mark.parametrize("act_order", [False, True])
 def test_column_solve_is_textbook_gptq_on_the_format_grid(name, act_order):
     W, H = _problem()
@@ -80,12 +80,14 @@ def test_write_gptq_keeps_the_format_scales_and_compressed_tensors_reads_it(tmp_
     from test_float_runtime import ct_decompressed
 
     cal = torch.randint(3, 256, (4, 32), generator=torch.Generator().manual_seed(0))
-    for name in ("NVFP4A16", "FP8_BLOCK"):
+    for name in ("NVFP4A16", "FP8_BLOCK", "MXFP8"):
         write(tiny_model("llama", hidden_size=128, intermediate_size=256), preset(name), tmp_path / f"rtn-{name}")
         # the range search unweighted: GPTQ fixes exactly round-to-nearest's scales (the weighted default's
         # scales are other candidates of the same search: test_float_scale_search)
         ours = write(tiny_model("llama", hidden_size=128, intermediate_size=256), preset(name), tmp_path / name,
                      method="gptq", calibration=cal, options={"block_size": 32, "weighted_search": False})
+        assert json.loads((tmp_path / name / "config.json").read_text())["quantization_config"]["format"] == \
+            {"NVFP4A16": "nvfp4-pack-quantized", "FP8_BLOCK": "float-quantized", "MXFP8": "mxfp8-quantized"}[name]
         rtn, gptq = (load_file(str(tmp_path / d / "model.safetensors")) for d in (f"rtn-{name}", name))
         scales = [k for k in rtn if "scale" in k]
         assert scales and all(torch.equal(rtn[k], gptq[k]) for k in scales)  # scales are the format's, fixed

@@ -5,6 +5,7 @@ The rules are compressed-tensors 0.20.1's (`lifecycle.forward.forward_quantize` 
 `compute_dynamic_scales_and_zp`), which vLLM's kernels follow:
     FP8 token (FP8_DYNAMIC)        per row of the flattened input: scale absmax/448, E4M3 codes
     FP8 group (FP8_BLOCK's 1x128)  per run of `group_size` input features, the same rule
+    FP8 group 32, E8M0 (MXFP8)     MXFP8 of the input: E4M3 under each group's power-of-two scale
     FP8 tensor, dynamic            one scale for the whole input; static (FP8): the checkpoint's input_scale
     FP4 group 32, E8M0 (MXFP4)     MXFP4 of the input, groups along the features
     FP4 tensor_group 16 (NVFP4)    NVFP4 of the input under the checkpoint's input_global_scale
@@ -17,7 +18,7 @@ from typing import Optional
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.float_codecs import e4m3, fp8, mxfp4, nvfp4
+from quantkit.float_codecs import e4m3, fp8, mxfp4, mxfp8, nvfp4
 from quantkit.scheme_presets import QuantArgs
 
 
@@ -25,6 +26,12 @@ def check_supported(args: QuantArgs) -> Optional[str]:
     """The tensor this scheme needs from the checkpoint ("input_scale", "input_global_scale" or None), or
     QuantkitError naming the activation scheme no rule above covers."""
     key = (args.kind, args.bits, args.strategy, args.dynamic)
+    if key == ("float", 8, "group", True) and args.scale_dtype is not None:  # an MX format: E8M0 scales only
+        if (args.group_size, args.scale_dtype) == (mxfp8.GROUP_SIZE, "uint8"):
+            return None
+        raise QuantkitError(f"FP8 input activations in groups of {args.group_size} with {args.scale_dtype} scales are "
+                            f"not run by quantkit's loader; it runs MXFP8 (groups of {mxfp8.GROUP_SIZE}, uint8 E8M0 "
+                            "scales) and float32-scaled FP8 groups")
     if key in (("float", 8, "token", True), ("float", 8, "group", True), ("float", 8, "tensor", True)):
         return None
     if key == ("float", 8, "tensor", False):
@@ -35,7 +42,7 @@ def check_supported(args: QuantArgs) -> Optional[str]:
         return "input_global_scale"
     raise QuantkitError(f"input activations quantized as {args.kind} {args.bits}-bit {args.strategy} "
                         f"(dynamic={args.dynamic}) are not run by quantkit's loader; it runs FP8 token/group/tensor, "
-                        "MXFP4 and NVFP4 activations")
+                        "MXFP8, MXFP4 and NVFP4 activations")
 
 
 def fake_quantize(x: torch.Tensor, args: QuantArgs, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -48,6 +55,8 @@ def fake_quantize(x: torch.Tensor, args: QuantArgs, scale: Optional[torch.Tensor
         out = e4m3.to_e4m3(rows / s).to(torch.float32) * s
     elif args.bits == 8 and args.strategy == "token":
         out = fp8.quantize(rows, "channel").dequantize()
+    elif args.bits == 8 and args.strategy == "group" and args.scale_dtype == "uint8":
+        out = mxfp8.quantize(rows).dequantize()
     elif args.bits == 8 and args.strategy == "group":
         g = args.group_size
         if k % g:

@@ -2,8 +2,9 @@
 
 The exponent chosen for a group follows compressed-tensors 0.20.1 (`generate_mx_scales`, from vLLM's MXFP4
 reference): the group's absolute maximum is first rounded to a power of two with the element type's
-mantissa width (for E2M1, a mantissa of 1.75 or more rounds up), then the element's largest exponent
-(2 for E2M1, whose max is 6 = 1.5 * 2**2) is subtracted.  (The OCP MX spec floors instead of rounding;
+mantissa width (for E2M1, a mantissa of 1.75 or more rounds up; compressed-tensors uses that threshold for
+MXFP8's E4M3 elements too), then the element's largest exponent is subtracted (2 for E2M1, whose max is
+6 = 1.5 * 2**2; 8 for E4M3, 448 = 1.75 * 2**8).  (The OCP MX spec floors instead of rounding;
 compressed-tensors' choice is followed so that files agree.)  Codes are clamped to 0..255.
 """
 from __future__ import annotations
@@ -15,7 +16,8 @@ E2M1_EMAX = 2
 
 
 def shared_exponent_codes(amax: torch.Tensor, element_emax: int = E2M1_EMAX) -> torch.Tensor:
-    """E8M0 code (uint8) of the scale for groups whose absolute maximum is `amax` (E2M1 elements)."""
+    """E8M0 code (uint8) of the scale for groups whose absolute maximum is `amax`, elements whose largest
+    exponent is `element_emax` (E2M1 by default)."""
     a = amax.to(torch.float32)
     mantissa, exponent = torch.frexp(a)  # a = mantissa * 2**exponent, mantissa in [0.5, 1)
     # a = (2 * mantissa) * 2**(exponent - 1); 2 * mantissa >= 1.75 rounds up to the next power of two

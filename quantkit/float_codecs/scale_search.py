@@ -32,18 +32,18 @@ FP8_CLIP_RATIOS = (1.0, 0.975, 0.95, 0.925, 0.9, 0.85, 0.8)
 # format -> search on by default: on only where the bench measured lower KL on both lee and wiki
 # (docs/float-schemes.md; NVFP4A16 RTN on the demo: 0.892x / 0.911x llm-compressor's absmax RTN KL on lee / wiki);
 # MXFP4A16: 1.010x / 0.938x, not lower on both, so off; off where it is not measured yet (FP8)
-DEFAULT_ON = {"nvfp4": True, "mxfp4": False, "fp8": False}
+DEFAULT_ON = {"nvfp4": True, "mxfp4": False, "fp8": False, "mxfp8": False}  # MXFP8: no search (float_codecs.mxfp8)
 # GPTQ's own default (its search weighted by the Hessian's diagonal): MXFP4A16 GPTQ on the demo measured
 # 0.1492 / 0.2595 with it against 0.1759 / 0.2777 without (lower on both; docs/float-schemes.md); FP8 unmeasured
-GPTQ_DEFAULT_ON = {"nvfp4": True, "mxfp4": True, "fp8": False}
+GPTQ_DEFAULT_ON = {"nvfp4": True, "mxfp4": True, "fp8": False, "mxfp8": False}
 
 
 def family(weights: QuantArgs) -> str:
-    """"fp8", "nvfp4" or "mxfp4": the float format of these weights args."""
+    """"fp8", "mxfp8", "nvfp4" or "mxfp4": the float format of these weights args."""
     if weights.kind != "float" or weights.bits not in (4, 8):
         raise QuantkitError(f"no float range search for {weights.kind} {weights.bits}-bit weights")
     if weights.bits == 8:
-        return "fp8"
+        return "mxfp8" if weights.strategy == "group" else "fp8"
     return "nvfp4" if weights.strategy == "tensor_group" else "mxfp4"
 
 

@@ -1,6 +1,6 @@
 """A compressed-tensors quantization_config whose groups are float layouts, read into typed values.
 
-The layout modules (`ct_float_quantized`, `ct_nvfp4`, `ct_mxfp4`, and for integer weights under FP8
+The layout modules (`ct_float_quantized`, `ct_mxfp8`, `ct_nvfp4`, `ct_mxfp4`, and for integer weights under FP8
 activations `ct_w4afp8` / `ct_int_w4afp8`, pack-quantized as quantkit writes it / int-quantized as llm-compressor
 does) each store one linear; this module
 reads the config around them: each config group's weights / input-activation args (compressed-tensors'
@@ -16,12 +16,12 @@ from types import ModuleType
 from typing import Optional
 
 from quantkit.errors import QuantkitError
-from quantkit.formats import ct_float_quantized, ct_int_w4afp8, ct_mxfp4, ct_nvfp4, ct_w4afp8
+from quantkit.formats import ct_float_quantized, ct_int_w4afp8, ct_mxfp4, ct_mxfp8, ct_nvfp4, ct_w4afp8
 from quantkit.scheme_presets import QuantArgs
 
-LAYOUTS: dict[str, ModuleType] = {m.FORMAT: m for m in (ct_float_quantized, ct_nvfp4, ct_mxfp4, ct_w4afp8,
+LAYOUTS: dict[str, ModuleType] = {m.FORMAT: m for m in (ct_float_quantized, ct_mxfp8, ct_nvfp4, ct_mxfp4, ct_w4afp8,
                                                          ct_int_w4afp8)}
-FLOAT_WEIGHT_FORMATS = (ct_float_quantized.FORMAT, ct_nvfp4.FORMAT, ct_mxfp4.FORMAT)
+FLOAT_WEIGHT_FORMATS = (ct_float_quantized.FORMAT, ct_mxfp8.FORMAT, ct_nvfp4.FORMAT, ct_mxfp4.FORMAT)
 
 
 @dataclass(frozen=True)

@@ -195,6 +195,11 @@ class FloatQuantizedLayout(_FloatLayout):
 
 
 @register
+class Mxfp8Layout(_FloatLayout):
+    name, layout = "mxfp8-quantized", "quantkit.formats.ct_mxfp8"
+
+
+@register
 class Nvfp4Layout(_FloatLayout):
     name, layout = "nvfp4-pack-quantized", "quantkit.formats.ct_nvfp4"
 
@@ -204,7 +209,7 @@ class Mxfp4Layout(_FloatLayout):
     name, layout = "mxfp4-pack-quantized", "quantkit.formats.ct_mxfp4"
 
 
-FLOAT_LAYOUTS = ("float-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
+FLOAT_LAYOUTS = ("float-quantized", "mxfp8-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
 
 
 def float_layout_for(scheme: SchemePreset) -> Optional[str]:

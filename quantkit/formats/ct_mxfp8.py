@@ -1,0 +1,55 @@
+"""compressed-tensors "mxfp8-quantized" (the MXFP8A16 and MXFP8 presets).
+
+Checked against compressed-tensors 0.20.1 (`compressors/mxfp8`, MXFP8QuantizationCompressor: the naive
+float compressor with the scale stored as its E8M0 exponent):
+    weight        float8_e4m3fn [N, K]
+    weight_scale  uint8         [N, K/32]  E8M0 exponent, scale 2**(code - 127)
+No global scale.
+"""
+from __future__ import annotations
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.float_codecs.mxfp8 import GROUP_SIZE, Mxfp8Weight
+from quantkit.formats.ct_tensor_checks import take
+from quantkit.scheme_presets import QuantArgs
+
+FORMAT = "mxfp8-quantized"
+
+
+def can_store(weights: QuantArgs) -> tuple[bool, str]:
+    """Whether this layout stores weights quantized as `weights`, and if not, why (one line)."""
+    wanted = ("float", 8, "group", GROUP_SIZE, "uint8")
+    got = (weights.kind, weights.bits, weights.strategy, weights.group_size, weights.scale_dtype)
+    if got != wanted:
+        return False, (f"{FORMAT} stores FP8 (E4M3) weights in groups of {GROUP_SIZE} with E8M0 scales, not "
+                       f"{weights.kind} {weights.bits}-bit {weights.strategy} group {weights.group_size} "
+                       f"scale {weights.scale_dtype}")
+    return True, ""
+
+
+def packed_shapes(shape: tuple[int, int], weights: QuantArgs) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{tensor suffix: (shape, dtype)} one [N, K] linear stores (what a loader allocates and checks)."""
+    n, k = shape
+    if k % GROUP_SIZE:
+        raise QuantkitError(f"{FORMAT} needs an input size that is a multiple of {GROUP_SIZE}, got {k}")
+    return {"weight": ((n, k), torch.float8_e4m3fn), "weight_scale": ((n, k // GROUP_SIZE), torch.uint8)}
+
+
+def read(tensors: dict[str, torch.Tensor], shape: tuple[int, int], weights: QuantArgs) -> Mxfp8Weight:
+    """One [N, K] linear's weight from its tensors (checked); `weights` is fixed by the layout."""
+    return unpack(tensors, shape)
+
+
+def pack(w: Mxfp8Weight) -> dict[str, torch.Tensor]:
+    return {"weight": w.values.contiguous(), "weight_scale": w.scale_codes.contiguous()}
+
+
+def unpack(tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> Mxfp8Weight:
+    n, k = shape
+    if k % GROUP_SIZE:
+        raise QuantkitError(f"{FORMAT} needs an input size that is a multiple of {GROUP_SIZE}, got {k}")
+    values = take(tensors, "weight", torch.float8_e4m3fn, (n, k), FORMAT)
+    scale = take(tensors, "weight_scale", torch.uint8, (n, k // GROUP_SIZE), FORMAT)
+    return Mxfp8Weight(values, scale)
