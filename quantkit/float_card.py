@@ -28,7 +28,9 @@ def describe(args: QuantArgs, activations: bool = False) -> str:
              "group": f"groups of {args.group_size}", "tensor_group": f"groups of {args.group_size} under a global scale",
              "block": f"blocks of {args.block_size[0]}x{args.block_size[1]}" if args.block_size else "blocks"}
     parts = [grid, where.get(args.strategy, args.strategy)]
-    if args.scale_dtype:
+    if args.scale_dtype == "uint8":  # the MX formats' E8M0 byte: a biased exponent
+        parts.append("E8M0 (power-of-two) scales")
+    elif args.scale_dtype:
         parts.append(f"{args.scale_dtype} scales")
     if not args.symmetric:
         parts.append("asymmetric")
@@ -43,7 +45,7 @@ def float_model_card(base_model: str, preset: SchemePreset, method: dict[str, An
     """The card of a folder `quantkit.float_checkpoint.write` made from `base_model`; `method` is the plan's
     method name, the calibration it read and the options given (not every default of the integer steps);
     `shapes` {linear: (out, in)} of the quantized linears."""
-    from quantkit.formats.loaders import VLLM, vllm_float_refusal
+    from quantkit.formats.loaders import VLLM, VLLM_NOT_CHECKED, vllm_float_refusal
 
     name = str(method.get("method", "rtn"))
     tags = ["quantkit", name, "compressed-tensors", preset.name.lower()]
@@ -66,7 +68,10 @@ def float_model_card(base_model: str, preset: SchemePreset, method: dict[str, An
     lines += ["", "## Use", "", "```python", "import quantkit", 'model = quantkit.load("PATH")', "```", "",
               "Loaders, as quantkit's support matrix (docs/support-matrix.md) found them for this preset:", ""]
     refusal = vllm_float_refusal(preset.name, shapes)
-    served = f"{VLLM}: " + (f"refuses it: {refusal}" if refusal else "loads the folder unmodified; prompt log-probs "
-                                                                        "checked against quantkit's loader (tests/test_vllm.py)")
+    if refusal is not None and refusal.endswith(VLLM_NOT_CHECKED):
+        served = f"{VLLM}: not checked for this preset (neither its CPU build nor its GPU kernels)"
+    else:
+        served = f"{VLLM}: " + (f"refuses it: {refusal}" if refusal else "loads the folder unmodified; prompt "
+                                "log-probs checked against quantkit's loader (tests/test_vllm.py)")
     lines += [f"- {line}" for line in [served, *OTHER_LOADERS]] + [""]
     return "\n".join([front, *lines])

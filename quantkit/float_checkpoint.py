@@ -179,6 +179,7 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     if preset.calibrates_activations and calibration is None:
         raise QuantkitError(f"--scheme {preset.name} stores input scales measured on calibration data; it needs "
                             "calibration token ids with --method rtn as with gptq")
+    check_shapes(model, preset, tuple(ignore))
     if first is not None:  # exact in full precision: everything below sees the transformed model
         float_passes.run_pass(model, preset, first, pipeline_linears(model, tuple(ignore))[1], calibration,
                               pass_options, batch_size, progress, device)
@@ -222,6 +223,26 @@ def _quantized_names(model: torch.nn.Module, patterns: tuple[str, ...], full_pre
     """The nn.Linear modules this writer quantizes: all but the full-precision ones and those `ignore` matches."""
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
             and n not in full_precision and not any(re.search(p, n) for p in patterns)]
+
+
+def check_shapes(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...]) -> None:
+    """Refuse, before any work, a preset some quantized linear cannot take: weight groups that do not divide
+    its input size (the layout's own declaration), or input activations quantized in groups that do not (no
+    runtime can run that checkpoint: compressed-tensors' forward and vLLM split each input row into whole
+    groups, as quantkit's loader does)."""
+    acts = preset.input_activations
+    act_group = acts.group_size if acts is not None and acts.strategy == "group" else None
+    with _experts_as_linears(model) as adapter:
+        full_precision = set(adapter.full_precision_modules(model)) if adapter is not None else set()
+        for name in _quantized_names(model, patterns, full_precision):
+            module = model.get_submodule(name)
+            if preset.weights.kind == "float":
+                LAYOUTS[layout_of(preset)].packed_shapes((module.out_features, module.in_features), preset.weights)
+            if act_group and module.in_features % act_group:
+                raise QuantkitError(
+                    f"--scheme {preset.name} quantizes each linear's inputs in groups of {act_group}; {name}'s input "
+                    f"size {module.in_features} is not a multiple of {act_group}, so no runtime could run the "
+                    "checkpoint; choose a preset with per-token or MX-group (32) activations, or a weight-only one")
 
 
 def _input_scales(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],

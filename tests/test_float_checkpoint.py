@@ -59,6 +59,24 @@ def _calibration(name):
     return torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.parametrize("name", ["FP8_BLOCK", "MXFP4XFP8"])
+def test_inputs_that_do_not_divide_into_the_activation_groups_are_refused_before_any_work(tmp_path, name):
+    """The demo's 576-wide inputs in FP8 groups of 128: compressed-tensors' own forward cannot split them either."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+
+    cfg = transformers.LlamaConfig(hidden_size=96, intermediate_size=256, num_hidden_layers=1, num_attention_heads=3,
+                                   num_key_value_heads=1, vocab_size=256, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(QuantkitError, match=f"--scheme {name} quantizes each linear's inputs in groups of 128; "
+                                            "model.layers.0.self_attn.q_proj's input size 96 is not a multiple of 128"):
+        write(model, preset(name), tmp_path / name)
+    assert not any(tmp_path.iterdir())
+    acts = QuantizationArgs(num_bits=8, type="float", strategy="group", group_size=128, dynamic=True)
+    with pytest.raises(RuntimeError):  # the oracle: compressed-tensors cannot quantize such an input at all
+        compute_dynamic_scales_and_zp(torch.randn(2, 96), acts, torch.nn.Linear(96, 8))
+
+
 def test_what_cannot_be_written_is_refused_with_the_reason(tmp_path):
     for name in ("FP8", "NVFP4"):
         with pytest.raises(QuantkitError, match=f"--scheme {name} stores input scales measured on calibration data; "

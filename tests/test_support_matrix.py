@@ -50,3 +50,21 @@ def test_writing_a_layout_vllm_refuses_says_so(tmp_path, tiny_llama_dir):
     said = [str(w.message) for w in caught if "will not load this checkpoint" in str(w.message)]
     assert len(said) == 1 and "asymmetric" in said[0]
     assert "refuses it" in (tmp_path / "asym" / "README.md").read_text()
+
+
+def test_float_cards_say_served_refused_or_not_checked():
+    from quantkit.float_card import float_model_card
+    from quantkit.scheme_presets import preset
+
+    shapes = {"model.layers.0.mlp.down_proj": (512, 1536)}
+
+    def vllm_line(name):
+        card = float_model_card("demo", preset(name), {"method": "rtn"}, {"format": "x"}, shapes)
+        return next(line for line in card.splitlines() if line.startswith(f"- {loaders.VLLM}"))
+
+    assert "loads the folder unmodified" in vllm_line("FP8_DYNAMIC")
+    assert "refuses it" in vllm_line("NVFP4A16") and "Marlin FP4" in vllm_line("NVFP4A16")
+    for name in ("MXFP8A16", "MXFP8", "MXFP4XFP8"):  # never tried in vLLM: the card must not claim either way
+        assert vllm_line(name) == f"- {loaders.VLLM}: not checked for this preset (neither its CPU build nor its GPU kernels)"
+    card = float_model_card("demo", preset("MXFP8"), {"method": "rtn"}, {"format": "x"}, shapes)
+    assert "- weights: FP8 (E4M3), groups of 32, E8M0 (power-of-two) scales" in card

@@ -73,7 +73,10 @@ def vllm_float_refusal(preset: str, shapes: Mapping[str, tuple[int, int]]) -> Op
         return None
     if preset == "FP8_DYNAMIC":
         return None
-    return f"{preset}: not checked in vLLM"
+    return f"{preset}: {VLLM_NOT_CHECKED}"
+
+
+VLLM_NOT_CHECKED = "not checked in vLLM"  # the end of vllm_float_refusal's answer for a preset never tried there
 
 
 def vllm_cpu_moe_refusal(fmt: str, cpu_has_amx: bool) -> Optional[str]:
