@@ -27,13 +27,13 @@ class FixedFloatGrid:
     step: torch.Tensor  # float32 [N, K]: each element's scale
 
     def __post_init__(self):
-        self.fp8 = isinstance(self.rtn, (fp8.Fp8Weight, mxfp8.Mxfp8Weight))  # E4M3 elements, else E2M1
+        self.e4m3_elements = isinstance(self.rtn, (fp8.Fp8Weight, mxfp8.Mxfp8Weight))  # else E2M1
         self.step_t = self.step.t().contiguous()  # [K, N]: one column's scales contiguous
 
     def round_column(self, w: torch.Tensor, col: int) -> torch.Tensor:
         """Column `col` of a weight ([N] values) rounded onto the grid."""
         s = self.step_t[col]
-        if self.fp8:
+        if self.e4m3_elements:
             return e4m3.to_e4m3(w / s).to(torch.float32) * s
         return e2m1.nearest_value(w / s) * s
 
