@@ -140,6 +140,8 @@ LAYOUTS = [
     # divide, so quantkit's writer refuses it (tests/test_float_checkpoint.py); vLLM's CPU build refused it too
     # (2026-12-05: "Weight output_partition_size = 576 is not divisible by weight quantization block_n = 128")
     Layout("ct-nvfp4a16", float_preset="NVFP4A16"),
+    Layout("ct-mxfp8a16", float_preset="MXFP8A16"),
+    Layout("ct-mxfp8", float_preset="MXFP8", w8a8=True),
     Layout("ct-mxfp4a16", float_preset="MXFP4A16"),
     Layout("ct-mxfp4", float_preset="MXFP4", w8a8=True),
     # MoE experts (per-expert tensors), on a tiny random Qwen3-MoE

@@ -53,6 +53,9 @@ _NO_CPU_KERNEL = {
     "NVFP4A16": "\"Marlin FP4 not available\"",
     "MXFP4A16": "\"Failed to find a kernel that can implement the MXFP4 linear layer\"",
     "MXFP4": "\"Failed to find a kernel that can implement the MXFP4 linear layer\"",
+    # MXFP8A16 / MXFP8: checked on the demo 2026-12-07 (scripts/vllm_score.py, by hand, then in the tier)
+    "MXFP8A16": "\"Failed to find a kernel that can implement the MXFP8 linear layer\"",
+    "MXFP8": "\"Failed to find a kernel that can implement the MXFP8 linear layer\"",
     "FP8": "static input scales: \"_C::static_scaled_fp8_quant() expected at most 0 argument(s)\"",
     "NVFP4": "\"Failed to find a kernel that can implement the NVFP4 linear layer\"",
     "W4AFP8": "\"No compressed-tensors compatible scheme was found\"; its W4A8-FP8 kernel needs Hopper (sm90)",
