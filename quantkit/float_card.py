@@ -45,7 +45,7 @@ def float_model_card(base_model: str, preset: SchemePreset, method: dict[str, An
     """The card of a folder `quantkit.float_checkpoint.write` made from `base_model`; `method` is the plan's
     method name, the calibration it read and the options given (not every default of the integer steps);
     `shapes` {linear: (out, in)} of the quantized linears."""
-    from quantkit.formats.loaders import VLLM, VLLM_NOT_CHECKED, vllm_float_refusal
+    from quantkit.formats.loaders import VLLM, vllm_float_checked, vllm_float_refusal
 
     name = str(method.get("method", "rtn"))
     tags = ["quantkit", name, "compressed-tensors", preset.name.lower()]
@@ -68,7 +68,7 @@ def float_model_card(base_model: str, preset: SchemePreset, method: dict[str, An
     lines += ["", "## Use", "", "```python", "import quantkit", 'model = quantkit.load("PATH")', "```", "",
               "Loaders, as quantkit's support matrix (docs/support-matrix.md) found them for this preset:", ""]
     refusal = vllm_float_refusal(preset.name, shapes)
-    if refusal is not None and refusal.endswith(VLLM_NOT_CHECKED):
+    if not vllm_float_checked(preset.name):
         served = f"{VLLM}: not checked for this preset (neither its CPU build nor its GPU kernels)"
     else:
         served = f"{VLLM}: " + (f"refuses it: {refusal}" if refusal else "loads the folder unmodified; prompt "

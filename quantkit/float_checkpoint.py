@@ -232,12 +232,13 @@ def check_shapes(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[s
     groups, as quantkit's loader does)."""
     acts = preset.input_activations
     act_group = acts.group_size if acts is not None and acts.strategy == "group" else None
+    layout = LAYOUTS[layout_of(preset)] if preset.weights.kind == "float" else None  # W4AFP8: its integer plan checks
     with _experts_as_linears(model) as adapter:
         full_precision = set(adapter.full_precision_modules(model)) if adapter is not None else set()
         for name in _quantized_names(model, patterns, full_precision):
             module = model.get_submodule(name)
-            if preset.weights.kind == "float":
-                LAYOUTS[layout_of(preset)].packed_shapes((module.out_features, module.in_features), preset.weights)
+            if layout is not None:
+                layout.packed_shapes((module.out_features, module.in_features), preset.weights)
             if act_group and module.in_features % act_group:
                 raise QuantkitError(
                     f"--scheme {preset.name} quantizes each linear's inputs in groups of {act_group}; {name}'s input "

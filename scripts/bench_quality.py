@@ -2,7 +2,8 @@
 """Quality side by side: quantkit's methods against llm-compressor's and GPTQModel's, one run.
 
 Every row quantizes the same model with the same scheme (w4g64 symmetric unless the row says asym;
-`--bits` / `--group-size` change it for every row: 3 bits in groups of 128 is auto-round's own default group size)
+`--bits` / `--group-size` change it for every row, e.g. `--bits 3`; a group size must divide the model's input widths,
+so the demo (576) takes 32 or 64, not auto-round's own default of 128)
 on the same calibration token ids (drawn once with quantkit's own pipeline: `--dataset lee`, seed 0,
 written to WORKDIR/calib_ids.safetensors for the peers), in its own subprocess (so peak RSS is that
 run's alone). Every checkpoint is then scored by `quantkit eval --baseline MODEL` on two held-out
@@ -93,7 +94,7 @@ def quantize_rows(args, work: Path, calib_ids: Path, peer_folder: str) -> list[d
                                          "--group-size", str(args.group_size),
                                          *(calibration if _calibrates(qk_rows[name]) else []), *qk_rows[name],
                                          "--output", str(out), "--overwrite", "--json"))
-        _keep(rows, out, {"row": name, "tool": "quantkit", "path": str(out), "seconds": summary["seconds"],
+        _keep(args, rows, out, {"row": name, "tool": "quantkit", "path": str(out), "seconds": summary["seconds"],
                           "process_s": round(wall, 1), "cpu_s": summary["_cpu_s"], "peak_rss_mb": summary["peak_rss_mb"],
                           "sym": summary["sym"]})
     pythons = {"llm-compressor": args.llmcompressor_python, "gptqmodel": args.gptqmodel_python,
@@ -113,7 +114,7 @@ def quantize_rows(args, work: Path, calib_ids: Path, peer_folder: str) -> list[d
         summary, wall = run([pythons[tool], str(HERE / script), "--method", method, "--model", peer_folder,
                              "--bits", str(args.bits), "--group-size", str(args.group_size), "--calib-ids",
                              str(calib_ids), "--output", str(out), *extra], env=env)
-        _keep(rows, out, {"row": name, "tool": tool, "path": str(out), "seconds": summary["seconds"],
+        _keep(args, rows, out, {"row": name, "tool": tool, "path": str(out), "seconds": summary["seconds"],
                           "process_s": round(wall, 1), "cpu_s": summary["_cpu_s"], "peak_rss_mb": summary["peak_rss_mb"],
                           "scheme": summary.get("scheme"), "version": summary.get("version")})
     return rows
@@ -124,13 +125,12 @@ def _calibrates(flags: list[str]) -> bool:
     return flags[:2] != ["--method", "rtn"]
 
 
-_SCHEME = {"bits": 4, "group_size": 64}  # this run's (set from --bits / --group-size in main)
 ROW_FILE = "bench_row.json"  # what the bench measured when it quantized the row, beside the checkpoint
 
 
-def _keep(rows: list[dict], out: Path, row: dict) -> None:
+def _keep(args, rows: list[dict], out: Path, row: dict) -> None:
     row["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    row["bits"], row["group_size"] = _SCHEME["bits"], _SCHEME["group_size"]
+    row["bits"], row["group_size"] = args.bits, args.group_size
     (out / ROW_FILE).write_text(json.dumps(row, indent=1))
     rows.append(row)
 
@@ -268,7 +268,6 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.rows = set(r.strip() for r in args.rows.split(",")) if args.rows else None
-    _SCHEME.update(bits=args.bits, group_size=args.group_size)
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     calib_ids = work / "calib_ids.safetensors"

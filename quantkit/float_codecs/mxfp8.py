@@ -38,9 +38,8 @@ class Mxfp8Weight:
         return e8m0.decode(self.scale_codes).repeat_interleave(GROUP_SIZE, dim=1)
 
 
-def quantize(weight: torch.Tensor, search: bool = False, importance: torch.Tensor | None = None) -> Mxfp8Weight:
-    """Round-to-nearest MXFP8 of a 2-D weight [N, K] (K a multiple of 32); `importance` is accepted for the
-    callers' one signature and unused (there is no search to weigh)."""
+def quantize(weight: torch.Tensor, search: bool = False) -> Mxfp8Weight:
+    """Round-to-nearest MXFP8 of a 2-D weight [N, K] (K a multiple of 32); `search` is refused (see above)."""
     if search:
         raise QuantkitError("MXFP8 has no range search (its E4M3 elements keep 3 mantissa bits at any scale); "
                             "drop the mse option")

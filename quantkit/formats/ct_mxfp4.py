@@ -29,7 +29,8 @@ def can_store(weights: QuantArgs) -> tuple[bool, str]:
     return True, ""
 
 
-def packed_shapes(shape: tuple[int, int], weights: QuantArgs) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def packed_shapes(shape: tuple[int, int], weights: QuantArgs | None = None
+                  ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{tensor suffix: (shape, dtype)} one [N, K] linear stores (what a loader allocates and checks)."""
     n, k = shape
     if k % GROUP_SIZE:
@@ -47,9 +48,5 @@ def pack(w: Mxfp4Weight) -> dict[str, torch.Tensor]:
 
 
 def unpack(tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> Mxfp4Weight:
-    n, k = shape
-    if k % GROUP_SIZE:
-        raise QuantkitError(f"{FORMAT} needs an input size that is a multiple of {GROUP_SIZE}, got {k}")
-    packed = take(tensors, "weight_packed", torch.uint8, (n, k // 2), FORMAT)
-    scale = take(tensors, "weight_scale", torch.uint8, (n, k // GROUP_SIZE), FORMAT)
-    return Mxfp4Weight(fp4_nibbles.unpack(packed), scale)
+    got = {name: take(tensors, name, dtype, want, FORMAT) for name, (want, dtype) in packed_shapes(shape).items()}
+    return Mxfp4Weight(fp4_nibbles.unpack(got["weight_packed"]), got["weight_scale"])

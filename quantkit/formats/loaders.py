@@ -76,10 +76,12 @@ def vllm_float_refusal(preset: str, shapes: Mapping[str, tuple[int, int]]) -> Op
         return None
     if preset == "FP8_DYNAMIC":
         return None
-    return f"{preset}: {VLLM_NOT_CHECKED}"
+    return f"{preset}: not checked in vLLM"
 
 
-VLLM_NOT_CHECKED = "not checked in vLLM"  # the end of vllm_float_refusal's answer for a preset never tried there
+def vllm_float_checked(preset: str) -> bool:
+    """Whether vLLM was ever run on this float preset (served or refused): vllm_float_refusal's other answers."""
+    return preset in _NO_CPU_KERNEL or preset in ("FP8_BLOCK", "FP8_DYNAMIC")
 
 
 def vllm_cpu_moe_refusal(fmt: str, cpu_has_amx: bool) -> Optional[str]:
