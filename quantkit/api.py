@@ -157,9 +157,6 @@ def quantize(
         return _run_spawned_ranks(args)
     lead = comm is None or comm.rank == 0
     plan = _plan_of(args)
-    if plan.float_preset is not None and resume:  # before the model is loaded
-        raise QuantkitError(f"--scheme {plan.float_preset.name} is written in one pass with no layer store to resume "
-                            "from; drop --resume (an interrupted float run leaves nothing behind: start it again)")
     _check_share(plan, comm)
     if output is not None:
         _on_rank0(comm, lambda: _check_output(Path(output), overwrite, resume, source_ref))
@@ -279,28 +276,32 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
     if layer_source is not None or comm is not None or args["target_bits"] is not None or args["target_size"]:
         raise QuantkitError(f"--scheme {p.name} is written from a model held in one process; drop --streaming, "
                             "--device-map, --nproc and --target-bits/--target-size")
-    from quantkit.sources import parse_dtype, source_dtype
+    from quantkit.sources import in_memory_identity, parse_dtype, source_dtype
 
     save_dtype = parse_dtype(args["dtype"]) or source_dtype(hf_model.config)
     output = Path(args["output"]) if args["output"] is not None else \
         Path(f"{Path(base_name).name.lower()}-{plan.recipe.name}-{p.name.lower()}")
-    _check_output(output, args["overwrite"], False, source_ref)
-    stage = staging_dir(output).with_name(f".{output.name}.float-partial")  # never an integer run's resumable one
+    _check_output(output, args["overwrite"], args["resume"], source_ref)
+    stage = staging_dir(output).with_name(f".{output.name}.float-partial")  # the checkpoint while it is written
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
+    ids = batch = store = None
     try:
         folder = stage / "checkpoint"
-        ids = batch = None
         if plan.calibration is not None:  # GPTQ, and FP8 / NVFP4's static input scales with either method
             plan, ids, batch = _calibration_set(plan, hf_model, tokenizer)
         kv_scales = _kv_cache_scales(plan, hf_model, ids, batch, args["progress"])  # before GPTQ changes the model
         if kv_scales is not None and not plan.recipe.needs_calibration and not p.calibrates_activations:
             ids = None  # drawn for the KV-cache scales only
+        # the calibration passes' finished layers, kept for --resume where the integer runs keep theirs
+        source = in_memory_identity(hf_model) if isinstance(args["model"], nn.Module) else args["model"]
+        store = _progress_store(output, source, plan, save_dtype, batch, ids, args["resume"],
+                                layout=f"compressed-tensors:{float_checkpoint.layout_of(p)}")
         written = float_checkpoint.write(hf_model, p, folder, ignore=plan.scheme.ignore, method=plan.recipe.name,
                                          calibration=ids, options=non_default_options(plan.recipe),
                                          batch_size=batch or 8, progress=bool(args["progress"]), kv_scales=kv_scales,
                                          save_dtype=save_dtype, max_shard_size=shard_bytes,
-                                         device=_compute_device(args["device"], None))
+                                         device=_compute_device(args["device"], None), store=store)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
@@ -311,6 +312,11 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
         resolved = _resolved_run(args, plan, {}, batch, None, save_dtype, None)
         (folder / RECIPE_FILE).write_text(resolved.to_yaml())
         replace_dir(folder, output)
+        shutil.rmtree(store.folder, ignore_errors=True)  # written: nothing left to resume
+    except QuantkitError:
+        if store is not None and not store.has_layers():
+            shutil.rmtree(store.folder, ignore_errors=True)  # nothing worth resuming: leave no trace
+        raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     del hf_model  # --eval loads the written checkpoint instead
@@ -653,14 +659,17 @@ def _check_calibration_context(seq_len: int, config) -> None:
                             f"max_position_embeddings); pass --seq-len {limit} or less")
 
 
-def _progress_store(output: Path, model: str, plan, save_dtype, batch_size, input_ids, resume: bool, comm=None):
+def _progress_store(output: Path, model: str, plan, save_dtype, batch_size, input_ids, resume: bool, comm=None,
+                    layout: Optional[str] = None):
+    """The run's started progress store in the output's staging folder (data-parallel: rank 0's, replicated);
+    `layout` names what is written where it is not `plan.format` (a float preset's compressed-tensors layout)."""
     from quantkit.checkpoint import staging_dir
     from quantkit.progress import ProgressStore, run_fingerprint
 
     def start() -> ProgressStore:
         store = ProgressStore(staging_dir(output))
         store.start(run_fingerprint(model=model, scheme=plan.scheme, method=plan.method_info(), dtype=save_dtype,
-                                    format=f"gguf:{plan.gguf_type}" if plan.gguf_type else plan.format,
+                                    format=layout or (f"gguf:{plan.gguf_type}" if plan.gguf_type else plan.format),
                                     batch_size=batch_size, version=__version__, calibration_digest=_digest(input_ids)),
                     resume=resume)
         return store

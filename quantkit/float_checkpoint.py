@@ -141,7 +141,7 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
           ignore: Iterable[str] = DEFAULT_IGNORE, method: str = "rtn", calibration: Optional[torch.Tensor] = None,
           options: Optional[dict] = None, batch_size: int = 8, progress: bool = False,
           kv_scales=None, save_dtype: Optional[torch.dtype] = None, max_shard_size="5GB",
-          device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+          device: torch.device | str = "cpu", store=None) -> dict[str, torch.Tensor]:
     """Quantize every nn.Linear of a transformers model not matching `ignore` (regexes) and save it to `output`
     (a new folder; written in a staging folder beside it and renamed, so a failure leaves nothing behind).
     MoE experts are quantized one linear per expert and projection (the names compressed-tensors and vLLM
@@ -158,7 +158,10 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     adds the calibrated FP8 KV-cache scales and the config's kv_cache_scheme. The tensors left unquantized
     (embeddings, norms, biases, ignored linears) are written in `save_dtype` (None: as `model` holds them), the
     files sharded at `max_shard_size` as `save_pretrained` shards them; the calibration passes run each layer on
-    `device`. Returns {module name: dequantized float32 weight}, what a reader should reconstruct."""
+    `device`. With a started `store` (quantkit.progress.ProgressStore) the calibration passes save each
+    finished layer there (a transform pass in its child store "pass") and restore those already saved, so an
+    interrupted run resumed with the same store writes the same bytes. Returns {module name: dequantized float32
+    weight}, what a reader should reconstruct."""
     out = Path(output)
     if out.exists():
         raise QuantkitError(f"output folder {out} already exists; choose a new folder")
@@ -182,7 +185,8 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     check_shapes(model, preset, tuple(ignore))
     if first is not None:  # exact in full precision: everything below sees the transformed model
         float_passes.run_pass(model, preset, first, pipeline_linears(model, tuple(ignore))[1], calibration,
-                              pass_options, batch_size, progress, device)
+                              pass_options, batch_size, progress, device,
+                              store=store.child("pass") if store is not None else None)
     # static input scales: with float GPTQ, from the inputs its pipeline observes (each linear's, with everything
     # before it already quantized, as in the checkpoint); otherwise from a forward of the model as given
     scales_from_gptq = preset.calibrates_activations and method == "gptq" and not integer
@@ -190,11 +194,12 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
         if preset.calibrates_activations and not scales_from_gptq else {}
     if integer:
         results = _integer_results(model, preset, tuple(ignore), method, calibration, options, batch_size,
-                                   progress, device)
+                                   progress, device, store)
     elif method == "gptq":
-        results, absmax = _gptq_results(model, preset, tuple(ignore), calibration, options, batch_size, progress,
-                                        record_input_absmax=scales_from_gptq, device=device)
+        results = _gptq_results(model, preset, tuple(ignore), calibration, options, batch_size, progress,
+                                record_input_absmax=scales_from_gptq, device=device, store=store)
         if scales_from_gptq:
+            absmax = {n: r.input_absmax for n, r in results.items() if r.input_absmax is not None}
             input_scales = _input_scales(model, preset, tuple(ignore), absmax=absmax)
     else:
         results = None
@@ -283,7 +288,7 @@ def pipeline_linears(model: torch.nn.Module, patterns: tuple[str, ...]):
 
 def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...], method: str,
                      calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool,
-                     device: torch.device | str = "cpu") -> dict:
+                     device: torch.device | str = "cpu", store=None) -> dict:
     """{linear name: QuantizedWeight} of the integer recipe `method` (rtn, gptq, awq, awq,gptq: with `options`,
     as on the integer path) on the preset's integer weight grid (W4AFP8: 4-bit symmetric groups of 128), through
     quantkit's pipeline."""
@@ -304,16 +309,17 @@ def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tup
             raise QuantkitError(f"--scheme {preset.name}: {name}: {exc}; leave it in full precision with --ignore") \
                 from None
     scheme = LinearScheme(bits=w.bits, group_size=w.group_size if w.strategy == "group" else -1, sym=w.symmetric)
-    return quantize_model(model, adapter, recipe, dict.fromkeys(names, scheme),
-                          calibration if recipe.needs_calibration else None, batch_size=batch_size, progress=progress,
-                          device=device)
+    results = quantize_model(model, adapter, recipe, dict.fromkeys(names, scheme),
+                             calibration if recipe.needs_calibration else None, batch_size=batch_size,
+                             progress=progress, device=device, store=store)
+    return results if store is None else _stored_results(store)
 
 
 def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
                   calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool,
-                  record_input_absmax: bool = False, device: torch.device | str = "cpu") -> tuple[dict, Optional[dict]]:
-    """({linear name: FloatResult} of GPTQ on the preset's grid, from quantkit's calibration pipeline; with
-    `record_input_absmax`, {linear name: the absmax of the inputs GPTQ observed}, else None)."""
+                  record_input_absmax: bool = False, device: torch.device | str = "cpu", store=None) -> dict:
+    """{linear name: FloatResult} of GPTQ on the preset's grid, from quantkit's calibration pipeline (each
+    with the absmax of the inputs GPTQ observed, `input_absmax`, when `record_input_absmax`)."""
     from quantkit.pipeline import quantize_model
     from quantkit.quantizers.gptq_float import FloatGPTQ
     from quantkit.scheme import LinearScheme
@@ -326,8 +332,14 @@ def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[
         step.record_input_absmax()
     schemes = dict.fromkeys(names, LinearScheme(bits=preset.weights.bits, group_size=-1, sym=True))
     results = quantize_model(model, adapter, step, schemes, calibration, batch_size=batch_size, progress=progress,
-                             device=device)
-    return results, step.input_absmax
+                             device=device, store=store)
+    return results if store is None else _stored_results(store)
+
+
+def _stored_results(store) -> dict:
+    """{linear name: result} of every layer a calibration pass saved in `store` (where the pipeline keeps its
+    results when it has a store)."""
+    return {name: r for i in store.done_layers() for name, r in store.load_layer(i).quantized.items()}
 
 
 def _quantized_state(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],

@@ -29,7 +29,7 @@ _TWO_LEVEL_FIELDS = ("d", "sc", "dmin", "m")
 @dataclass
 class LayerRecord:
     index: int
-    quantized: dict[str, QuantizedWeight]  # full module name -> result
+    quantized: dict[str, QuantizedWeight]  # full module name -> result (a float preset's: FloatResult)
     other: dict[str, torch.Tensor]  # full tensor name -> value (everything else in the layer)
     stats: dict[str, Any] = field(default_factory=dict)  # what the layer's calibration reports (MoE token counts)
 
@@ -37,12 +37,14 @@ class LayerRecord:
 class ProgressStore:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
+        self.fingerprint: Optional[dict[str, Any]] = None  # set by start
 
     # -- run identity ---------------------------------------------------------------------
     def start(self, fingerprint: dict[str, Any], resume: bool) -> None:
         """Create the staging folder, or (with resume) check it belongs to the same run."""
         run_file = self.folder / RUN_FILE
         self.check_leftover(resume)
+        self.fingerprint = fingerprint
         if self.folder.exists():
             if not run_file.is_file():
                 raise QuantkitError(f"{self.folder} holds no run.json, so it cannot be resumed; delete it to start over")
@@ -54,6 +56,20 @@ class ProgressStore:
             return
         (self.folder / LAYER_DIR).mkdir(parents=True)
         _atomic_write_bytes(run_file, (json.dumps(_jsonable(fingerprint), indent=2, sort_keys=True) + "\n").encode())
+
+    def child(self, name: str) -> "ProgressStore":
+        """A store of this run's for a calibration pass of its own (a float preset's SmoothQuant / AWQ pass
+        before GPTQ), in a subfolder of this one: started with this run's fingerprint, so a resumed run
+        continues it too."""
+        if self.fingerprint is None:
+            raise ValueError("start the store before making a child store")
+        store = ProgressStore(self.folder / name)
+        store.start(self.fingerprint, resume=True)
+        return store
+
+    def has_layers(self) -> bool:
+        """Whether this store, or a child's, holds any finished layer (then the run is worth resuming)."""
+        return any(self.folder.glob(f"**/{LAYER_DIR}/layer-*.safetensors"))
 
     def check_leftover(self, resume: bool) -> None:
         """A partial folder of an earlier run is never reused or deleted silently (called before any loading)."""
@@ -74,6 +90,10 @@ class ProgressStore:
         tensors: dict[str, torch.Tensor] = {}
         meta: dict[str, Any] = {}
         for name, qw in record.quantized.items():
+            if not isinstance(qw, QuantizedWeight):  # a float preset's result (quantkit.float_codecs.result)
+                parts, meta[name] = qw.record()
+                tensors.update({f"f::{name}::{k}": t for k, t in parts.items()})
+                continue
             for f in _QW_FIELDS:
                 tensors[f"q::{name}::{f}"] = getattr(qw, f).contiguous()
             if qw.bias is not None:
@@ -170,15 +190,20 @@ def record_from_bytes(index: int, data: bytes, where="the progress record") -> L
 
 def _record(index: int, tensors: dict[str, torch.Tensor], meta: dict, stats: dict) -> LayerRecord:
     quantized: dict[str, dict] = {}
+    floats: dict[str, dict] = {}
     other = {}
     for key, tensor in tensors.items():
         kind, rest = key.split("::", 1)
         if kind == "o":
             other[rest] = tensor
         else:
-            name, field_name = rest.rsplit("::", 1)
-            quantized.setdefault(name, {})[field_name] = tensor
+            name, field_name = rest.split("::", 1) if kind == "f" else rest.rsplit("::", 1)
+            (floats if kind == "f" else quantized).setdefault(name, {})[field_name] = tensor
     qws = {}
+    if floats:
+        from quantkit.float_codecs.result import FloatResult
+
+        qws.update({name: FloatResult.from_record(parts, meta[name]) for name, parts in floats.items()})
     for name, fields in quantized.items():
         info = dict(meta[name])
         if "input_scale" in fields:

@@ -155,8 +155,8 @@ def interrupt_after_first_layer(monkeypatch, run) -> None:
 
     persist = driver.LayerByLayer.persist
 
-    def persist_then_stop(self, i, results):
-        persist(self, i, results)
+    def persist_then_stop(self, i, results, *rest):
+        persist(self, i, results, *rest)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(driver.LayerByLayer, "persist", persist_then_stop)

@@ -236,11 +236,12 @@ def _tensors(folder) -> dict:
     return out
 
 
-def test_a_float_run_keeps_the_sources_dtype_shards_as_asked_and_refuses_resume(tmp_path, demo_dir):
+def test_a_float_run_keeps_the_sources_dtype_and_shards_as_asked(tmp_path, demo_dir):
     """The tensors a float preset leaves unquantized are written in the source's dtype (bf16 here: exactly the
     source's values, read back by safetensors) unless --dtype says otherwise; --max-shard-size splits the files
     as for the integer schemes, and the shards hold exactly the single file's tensors (transformers +
-    compressed-tensors load both to the same model); --resume, which a float run cannot honour, is refused."""
+    compressed-tensors load both to the same model); --resume with nothing to resume writes the same bytes
+    (interrupted float runs: test_float_resume.py)."""
     import quantkit
     from safetensors.torch import load_file
 
@@ -270,6 +271,7 @@ def test_a_float_run_keeps_the_sources_dtype_shards_as_asked_and_refuses_resume(
 
     quantkit.quantize(str(src), "rtn", scheme="FP8_DYNAMIC", output=tmp_path / "f32", dtype="float32", progress=False)
     assert _tensors(tmp_path / "f32")["model.embed_tokens.weight"].dtype == torch.float32
-    with pytest.raises(QuantkitError, match="drop --resume"):
-        quantkit.quantize(str(src), "rtn", scheme="FP8_DYNAMIC", output=tmp_path / "again", resume=True, progress=False)
-    assert not (tmp_path / "again").exists()
+    quantkit.quantize(str(src), "rtn", scheme="FP8_DYNAMIC", output=tmp_path / "again", resume=True, progress=False)
+    again = _tensors(tmp_path / "again")
+    assert again.keys() == one.keys() and all(torch.equal(again[k], one[k]) for k in one)
+    assert not list(tmp_path.glob(".again*"))

@@ -54,17 +54,26 @@ def test_fp8_input_scale_is_the_calibration_absmax_over_448(tmp_path):
         torch.testing.assert_close(stored, (x.abs().max() / 448.0).reshape(1), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("stored", [False, True])
 @pytest.mark.parametrize("name,suffix", [("FP8", "input_scale"), ("NVFP4", "input_global_scale")])
-def test_gptqs_input_scales_are_those_of_the_quantized_models_own_inputs(tmp_path, name, suffix):
+def test_gptqs_input_scales_are_those_of_the_quantized_models_own_inputs(tmp_path, name, suffix, stored):
     """With GPTQ the static input scales come from the inputs its pipeline observed: each linear's input with
     every linear before it (earlier layers, and earlier stages of its own layer) already quantized, which is the
     input the written checkpoint's linear sees (llm-compressor's sequential pipeline observes the same). The
-    oracle: plain hooks on a forward of the model GPTQ leaves fake-quantized (its weights are the checkpoint's)."""
+    oracle: plain hooks on a forward of the model GPTQ leaves fake-quantized (its weights are the checkpoint's).
+    `stored`: the results pass through a progress store (as `quantize` runs it, for --resume) on the way."""
     from compressed_tensors.quantization.utils import generate_gparam
+
+    from quantkit.progress import ProgressStore
 
     model = _tiny_llama()
     original = _hooked_inputs(_tiny_llama(), CALIBRATION)
-    write(model, preset(name), tmp_path / "q", method="gptq", calibration=CALIBRATION, batch_size=8)
+    store = None
+    if stored:
+        store = ProgressStore(tmp_path / "staging")
+        store.start({"run": "test"}, resume=False)
+    write(model, preset(name), tmp_path / "q", method="gptq", calibration=CALIBRATION, batch_size=8, store=store)
+    assert not stored or len(store.done_layers()) == 2
     quantized = _hooked_inputs(model, CALIBRATION)  # every linear of `model` now holds its checkpoint weight
     state = load_file(str(tmp_path / "q" / "model.safetensors"))
     assert len(quantized) == 14

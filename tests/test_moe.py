@@ -542,6 +542,21 @@ def test_moe_resume_restores_experts_and_their_counts_byte_for_byte(model_dir, t
         assert (tmp_path / "out" / f).read_bytes() == (tmp_path / "ref" / f).read_bytes(), f
 
 
+@pytest.mark.parametrize("method", ["gptq", "smoothquant,gptq"])
+def test_a_float_moe_run_resumes_to_the_same_bytes(model_dir, tmp_path, monkeypatch, method):
+    """NVFP4 (static input scales, some experts never routed to) interrupted after layer 0's record (inside
+    the SmoothQuant pass for the second method): the resumed run restores the per-expert float results and
+    their input absmax and writes the uninterrupted run's bytes."""
+    args = dict(scheme="NVFP4", num_samples=4, seq_len=32, progress=False)
+    src = str(model_dir("qwen3_moe"))
+    quantkit.quantize(src, method, output=tmp_path / "ref", **args)
+    interrupt_after_first_layer(monkeypatch, lambda: quantkit.quantize(src, method, output=tmp_path / "out", **args))
+    assert (tmp_path / ".out.partial").is_dir()
+    quantkit.quantize(src, method, output=tmp_path / "out", resume=True, **args)
+    for f in ("model.safetensors", "README.md", "config.json"):
+        assert (tmp_path / "out" / f).read_bytes() == (tmp_path / "ref" / f).read_bytes(), f
+
+
 def test_awq_checkpoint_of_a_moe_model_loads_with_its_folded_router(model_dir, tmp_path):
     """AWQ in its own layout: per-expert GEMM tensors under Mixtral's names, the router (carrying the
     folded scale) kept in full precision and declared so, and the model still computes the original."""

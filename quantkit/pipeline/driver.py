@@ -81,10 +81,13 @@ class LayerByLayer:
             stored = self.load(i)
             with experts_unfused(self.layers[i], self.adapter, self.expert_policy,
                                  calibrated=self.recipe.needs_calibration) as experts:
+                restored = i in self.done
                 layer_results = self.calibrate(i, experts)
-                self.persist(i, layer_results)
+                self.persist(i, layer_results, stored)
             self.release(i, stored)
             finished.update(layer_results)
+            if restored:  # a record lists only its quantized linears; the kept ones were finished too
+                finished.update(n for n in self.schemes if n.startswith(self.layer_prefix(i)))
             if self.store is None:  # with a store the results live only there (memory flat in depth)
                 results.update(layer_results)
             bar.set_postfix(layer_s=f"{time.perf_counter() - t0:.2f}")
@@ -191,16 +194,22 @@ class LayerByLayer:
         saved = self.store.load_reference(i)
         return split_rows(join_rows(saved), like) if saved else None
 
-    def persist(self, i: int, layer_results: dict[str, QuantizedWeight]) -> None:
-        """Saved before the layer returns to its storage dtype (resume restores exactly this)."""
+    def persist(self, i: int, layer_results: dict[str, QuantizedWeight], stored: dict) -> None:
+        """Saved before the layer returns to its storage dtype (resume restores exactly this). A result that
+        keeps its linear in full precision (a float preset's transform pass: `full_precision`) is saved as
+        the layer's other tensors are, its weight in the layer's storage dtype (what writing it back gives)."""
         if self.store is not None and i not in self.done:
             if self.reference is not None:  # before the record: a saved layer always has its reference
                 self.store.save_reference(i, [join_rows(self.reference)])
             elif self.float_stream:
                 self.store.save_reference(i, [join_rows([h for h, _ in self.inputs])])
             prefix = self.layer_prefix(i)
-            self.store.save_layer(LayerRecord(index=i, quantized=layer_results,
-                                              other=residency.other_tensors(self.layers[i], prefix, layer_results),
+            kept = {n for n, r in layer_results.items() if getattr(r, "full_precision", False)}
+            quantized = {n: r for n, r in layer_results.items() if n not in kept}
+            other = residency.other_tensors(self.layers[i], prefix, quantized)
+            if kept:
+                residency.to_storage_dtype_(other, kept, stored)
+            self.store.save_layer(LayerRecord(index=i, quantized=quantized, other=other,
                                               stats=self.layer_stats.get(i, {})))
 
     def release(self, i: int, stored: dict) -> None:

@@ -60,6 +60,19 @@ def other_tensors(layer, layer_prefix: str, quantized: dict[str, QuantizedWeight
     return {layer_prefix + k: v.detach().cpu().clone() for k, v in layer.state_dict().items() if k not in skip}
 
 
+def to_storage_dtype_(other: dict[str, torch.Tensor], linears: set[str], stored: dict) -> None:
+    """`linears`' weights and biases in `other` cast, in place, to the layer's storage dtype (what
+    `write_back` would give them) where the layer has one floating dtype; else they stay as they are."""
+    dtypes = {t.dtype for t in stored.values() if t.is_floating_point()}
+    if len(dtypes) != 1:
+        return
+    dtype = dtypes.pop()
+    for name in linears:
+        for key in (f"{name}.weight", f"{name}.bias"):
+            if key in other:
+                other[key] = other[key].to(dtype)
+
+
 def restore(layer, layer_prefix: str, record: LayerRecord) -> None:
     """Put a saved layer back: fake-quantized linears from their results, everything else as saved."""
     with torch.no_grad():

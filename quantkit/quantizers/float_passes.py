@@ -26,6 +26,7 @@ class _Unchanged:
     """A linear's weight as the pass leaves it: what the pipeline asks of a result, and nothing more."""
 
     act_order = "none"
+    full_precision = True  # the progress store saves the weight with the layer's other tensors
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
@@ -131,9 +132,11 @@ def pass_scheme(preset: SchemePreset) -> LinearScheme:
 
 def run_pass(model: nn.Module, preset: SchemePreset, p: FloatPass, linears: list[str],
              calibration: Optional[torch.Tensor], options: dict, batch_size: int = 8, progress: bool = False,
-             device: torch.device | str = "cpu"):
+             device: torch.device | str = "cpu", store=None):
     """Transform `model` in place for `preset` with pass `p` (the groups feeding any of `linears`), layer by
-    layer on `calibration` (token ids); returns the transform (its `search_log` says what it chose per layer)."""
+    layer on `calibration` (token ids); returns the transform (its `search_log` says what it chose per layer,
+    for the layers it ran). With a `store` (quantkit.progress) each transformed layer is saved there and the
+    layers already there are restored instead (a resumed run)."""
     from quantkit.models import get_adapter
     from quantkit.pipeline import quantize_model
     from quantkit.quantizers.recipe import Recipe
@@ -143,5 +146,5 @@ def run_pass(model: nn.Module, preset: SchemePreset, p: FloatPass, linears: list
                             "token ids")
     step = p.make(preset, options)
     quantize_model(model, get_adapter(model), Recipe([step, KeepWeights()]), dict.fromkeys(linears, pass_scheme(preset)),
-                   calibration, batch_size=batch_size, progress=progress, device=device)
+                   calibration, batch_size=batch_size, progress=progress, device=device, store=store)
     return step

@@ -22,11 +22,10 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.float_codecs import e8m0, scale_search
-from quantkit.float_codecs.fixed_grid import FixedFloatGrid, FloatWeight, fixed_grid
-from quantkit.float_codecs.fp8 import Fp8Weight
+from quantkit.float_codecs import scale_search
+from quantkit.float_codecs.fixed_grid import FixedFloatGrid, fixed_grid
 from quantkit.float_codecs.fused_global_scale import shared_global_scales
-from quantkit.float_codecs.nvfp4 import Nvfp4Weight
+from quantkit.float_codecs.result import FloatResult
 from quantkit.quantizers.base import LayerContext, Quantizer
 from quantkit.quantizers.gptq_core import (LayerInputStatistics, act_order_permutation, asymmetric_target,
                                            check_gptaq_alpha, checked_float32_copies, damped_inverse_cholesky,
@@ -78,33 +77,6 @@ def gptq_on_float_grid(weight: torch.Tensor, H: torch.Tensor, grid: FixedFloatGr
                    "seconds": time.perf_counter() - t0}
 
 
-class FloatResult:
-    """One linear quantized on a float grid: the layout's weight object, with what the pipeline asks of a
-    `QuantizedWeight` while it runs in memory (`dequantize` to fake-quantize, `scales` to check, `to`)."""
-
-    act_order = "none"
-
-    def __init__(self, weight: FloatWeight, bias: Optional[torch.Tensor] = None, stats: Optional[dict] = None):
-        self.weight, self.bias, self.stats = weight, bias, stats or {}
-
-    @property
-    def scales(self) -> torch.Tensor:
-        w = self.weight
-        if isinstance(w, Fp8Weight):
-            return w.scale
-        if isinstance(w, Nvfp4Weight):
-            return w.group_scale.to(torch.float32) / w.global_scale
-        return e8m0.decode(w.scale_codes)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.weight.dequantize(dtype)
-
-    def to(self, device) -> "FloatResult":
-        if torch.device(device).type != "cpu":
-            raise QuantkitError("float-grid GPTQ keeps its results on the CPU")
-        return self
-
-
 class FloatGPTQ(Quantizer):
     """GPTQ onto a float preset's weight grid (see the module docstring). Not a registered method: the float
     presets' writer (`float_checkpoint.write(method="gptq")`) builds it with the preset's weights args."""
@@ -136,6 +108,7 @@ class FloatGPTQ(Quantizer):
         self._stats = LayerInputStatistics(with_cross=self.needs_reference_inputs)
         self._stage_mates: dict[str, list[str]] = {}
         self._stacked: dict[str, FloatResult] = {}
+        self._given: dict[str, FloatResult] = {}  # this layer's results, which end_layer gives their input absmax
         self._global_scales: dict[str, torch.Tensor] = {}
         self._ctx: Optional[LayerContext] = None
         # {linear: absmax of every input observed}, when the writer asks (`record_input_absmax`): a preset's
@@ -175,7 +148,7 @@ class FloatGPTQ(Quantizer):
 
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme) -> FloatResult:
         if name in self._stacked:
-            return self._stacked.pop(name)
+            return self._given.setdefault(name, self._stacked.pop(name))
         acc, cross = self._stats.pop(name)
         if acc is not None:
             acc.finish()
@@ -207,13 +180,14 @@ class FloatGPTQ(Quantizer):
             start = rows.stop
             bias = None if lin.bias is None else lin.bias.detach().clone()
             self._stacked[n] = FloatResult(g.encode(w_hat[rows].contiguous()), bias, stats)
-        return self._stacked.pop(name)
+        return self._given.setdefault(name, self._stacked.pop(name))
 
     def quantize_uncalibrated(self, name: str, module: nn.Linear, scheme: LinearScheme) -> FloatResult:
         """Round to nearest under the format's scales (a MoE expert too few tokens reached)."""
         self.discard(name)
         bias = None if module.bias is None else module.bias.detach().clone()
-        return FloatResult(self._grid(name, module.weight.data).rtn, bias, {"fallback": "rtn"})
+        return self._given.setdefault(name, FloatResult(self._grid(name, module.weight.data).rtn, bias,
+                                                        {"fallback": "rtn"}))
 
     def round_to_nearest(self, module: nn.Linear, scheme: LinearScheme) -> FloatResult:
         bias = None if module.bias is None else module.bias.detach().clone()
@@ -224,6 +198,12 @@ class FloatGPTQ(Quantizer):
         self._stacked.pop(name, None)
 
     def end_layer(self, ctx: LayerContext) -> None:
+        """With `record_input_absmax`, each result of the layer carries its linear's input absmax (all of its
+        inputs are observed by now), so the progress store keeps it with the result and a resumed run has it."""
+        if self.input_absmax is not None:
+            for name, result in self._given.items():
+                result.input_absmax = self.input_absmax.get(ctx.prefix + name)
+        self._given.clear()
         self._stats.clear()
         self._stacked.clear()
         self._global_scales = {}
