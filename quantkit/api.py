@@ -269,6 +269,7 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
     and --device as for the integer schemes."""
     from quantkit import float_checkpoint
     from quantkit.checkpoint import replace_dir, staging_dir
+    from quantkit.disk_errors import writing_output
     from quantkit.float_card import float_model_card
     from quantkit.run_recipe import RECIPE_FILE, non_default_options
 
@@ -283,42 +284,44 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
         Path(f"{Path(base_name).name.lower()}-{plan.recipe.name}-{p.name.lower()}")
     _check_output(output, args["overwrite"], args["resume"], source_ref)
     stage = staging_dir(output).with_name(f".{output.name}.float-partial")  # the checkpoint while it is written
-    shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir(parents=True)
-    ids = batch = store = None
-    try:
-        folder = stage / "checkpoint"
-        if plan.calibration is not None:  # GPTQ, and FP8 / NVFP4's static input scales with either method
-            plan, ids, batch = _calibration_set(plan, hf_model, tokenizer)
-        kv_scales = _kv_cache_scales(plan, hf_model, ids, batch, args["progress"])  # before GPTQ changes the model
-        if kv_scales is not None and not plan.recipe.needs_calibration and not p.calibrates_activations:
-            ids = None  # drawn for the KV-cache scales only
-        # the calibration passes' finished layers, kept for --resume where the integer runs keep theirs
-        source = in_memory_identity(hf_model) if isinstance(args["model"], nn.Module) else args["model"]
-        store = _progress_store(output, source, plan, save_dtype, batch, ids, args["resume"],
-                                layout=f"compressed-tensors:{float_checkpoint.layout_of(p)}")
-        written = float_checkpoint.write(hf_model, p, folder, ignore=plan.scheme.ignore, method=plan.recipe.name,
-                                         calibration=ids, options=non_default_options(plan.recipe),
-                                         batch_size=batch or 8, progress=bool(args["progress"]), kv_scales=kv_scales,
-                                         save_dtype=save_dtype, max_shard_size=shard_bytes,
-                                         device=_compute_device(args["device"], None), store=store)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
-        qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
-        shapes = {name: tuple(w.shape) for name, w in written.items()}
-        used = {k: v for k, v in plan.method_info().items() if k not in plan.recipe.describe() or k == "method"}
-        card_method = {**used, **non_default_options(plan.recipe)}  # the options the float writer took, not every default
-        (folder / "README.md").write_text(float_model_card(base_name, p, card_method, qcfg, shapes))
-        resolved = _resolved_run(args, plan, {}, batch, None, save_dtype, None)
-        (folder / RECIPE_FILE).write_text(resolved.to_yaml())
-        replace_dir(folder, output)
-        shutil.rmtree(store.folder, ignore_errors=True)  # written: nothing left to resume
-    except QuantkitError:
-        if store is not None and not store.has_layers():
-            shutil.rmtree(store.folder, ignore_errors=True)  # nothing worth resuming: leave no trace
-        raise
-    finally:
+    # a full disk or unwritable place: one line (the finished layers kept for --resume where there are any)
+    with writing_output(output, resume_hint=plan.recipe.needs_calibration):
         shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir(parents=True)
+        ids = batch = store = None
+        try:
+            folder = stage / "checkpoint"
+            if plan.calibration is not None:  # GPTQ, and FP8 / NVFP4's static input scales with either method
+                plan, ids, batch = _calibration_set(plan, hf_model, tokenizer)
+            kv_scales = _kv_cache_scales(plan, hf_model, ids, batch, args["progress"])  # before GPTQ changes it
+            if kv_scales is not None and not plan.recipe.needs_calibration and not p.calibrates_activations:
+                ids = None  # drawn for the KV-cache scales only
+            # the calibration passes' finished layers, kept for --resume where the integer runs keep theirs
+            source = in_memory_identity(hf_model) if isinstance(args["model"], nn.Module) else args["model"]
+            store = _progress_store(output, source, plan, save_dtype, batch, ids, args["resume"],
+                                    layout=f"compressed-tensors:{float_checkpoint.layout_of(p)}")
+            written = float_checkpoint.write(
+                hf_model, p, folder, ignore=plan.scheme.ignore, method=plan.recipe.name, calibration=ids,
+                options=non_default_options(plan.recipe), batch_size=batch or 8, progress=bool(args["progress"]),
+                kv_scales=kv_scales, save_dtype=save_dtype, max_shard_size=shard_bytes,
+                device=_compute_device(args["device"], None), store=store)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(folder)
+            qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
+            shapes = {name: tuple(w.shape) for name, w in written.items()}
+            used = {k: v for k, v in plan.method_info().items() if k not in plan.recipe.describe() or k == "method"}
+            card_method = {**used, **non_default_options(plan.recipe)}  # the options the writer took, not the defaults
+            (folder / "README.md").write_text(float_model_card(base_name, p, card_method, qcfg, shapes))
+            resolved = _resolved_run(args, plan, {}, batch, None, save_dtype, None)
+            (folder / RECIPE_FILE).write_text(resolved.to_yaml())
+            replace_dir(folder, output)
+            shutil.rmtree(store.folder, ignore_errors=True)  # written: nothing left to resume
+        except BaseException:
+            if store is not None and not store.has_layers():
+                shutil.rmtree(store.folder, ignore_errors=True)  # nothing worth resuming: leave no trace
+            raise
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
     del hf_model  # --eval loads the written checkpoint instead
     summarize = lambda metrics: {  # noqa: E731
         "output": str(output), "method": plan.recipe.name, "scheme": p.name, "format": "compressed-tensors",

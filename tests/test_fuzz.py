@@ -551,6 +551,48 @@ def test_disk_full_while_calibrating_names_resume(tmp_path, monkeypatch, tiny_ll
     assert tree_digest(out) == tree_digest(clean)
 
 
+def test_disk_full_in_a_float_run_names_resume_and_resume_finishes_byte_identical(tmp_path, monkeypatch,
+                                                                                  tiny_llama_dir):
+    """--scheme NVFP4A16 with GPTQ: the disk fills after layer 0's record; one line naming --resume, and the
+    resumed run writes the uninterrupted bytes. Round-to-nearest (no layers): the same one line, nothing left."""
+    import errno
+    import os
+
+    from quantkit.progress import ProgressStore
+
+    clean, out = tmp_path / "clean", tmp_path / "out"
+    argv = ["quantize", "--model", tiny_llama_dir, "--scheme", "NVFP4A16", *CAL]
+    assert run_main([*argv, "--output", clean])[0] == 0
+    save = ProgressStore.save_layer
+
+    def save_first_only(self, record):
+        if list(self.done_layers()):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.folder / "layers"))
+        save(self, record)
+
+    monkeypatch.setattr(ProgressStore, "save_layer", save_first_only)
+    code, stderr = run_main([*argv, "--output", out])
+    assert_one_line_error(code, stderr, "float disk full while calibrating")
+    assert "no space left" in stderr and "--resume" in stderr, stderr
+    assert not out.exists() and not (tmp_path / ".out.float-partial").exists()
+    monkeypatch.undo()
+    code, stderr = run_main([*argv, "--output", out, "--resume"])
+    assert code == 0, stderr[-2000:]
+    assert tree_digest(out) == tree_digest(clean)
+
+    from quantkit import float_checkpoint
+
+    def full_disk(*args, **kw):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "rtn"))
+
+    monkeypatch.setattr(float_checkpoint, "_save", full_disk)
+    code, stderr = run_main(["quantize", "--model", tiny_llama_dir, "--scheme", "FP8_DYNAMIC", "--output",
+                             tmp_path / "rtn"])
+    assert_one_line_error(code, stderr, "float rtn disk full")
+    assert "no space left" in stderr and "--resume" not in stderr, stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clean", "out"]
+
+
 def test_read_only_output_location_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, tiny_llama_dir):
     """A read-only disk (EROFS) where the output goes: refused in one line, nothing created there."""
     import errno
