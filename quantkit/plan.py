@@ -312,10 +312,17 @@ def _check_float_preset(p: SchemePreset, recipe: Recipe, options: Optional[dict]
     if finish == "rtn" and asked:
         raise QuantkitError(f"--scheme {p.name} with round-to-nearest takes no method options; drop "
                             f"{', '.join(asked)}")
-    unknown = sorted(set(given) - set(FloatGPTQ.options_spec))
+    takes = dict(FloatGPTQ.options_spec)
+    if finish.endswith("+signround"):
+        from quantkit.float_checkpoint import float_signround
+        from quantkit.quantizers.signround import SignRoundRefiner
+
+        takes.update(SignRoundRefiner.options_spec)
+        float_signround(given)  # its refusals (options, the starts a float grid cannot give) before any work
+    unknown = sorted(set(given) - set(takes))
     if unknown:
-        raise QuantkitError(f"GPTQ on --scheme {p.name}'s float grid takes only {', '.join(FloatGPTQ.options_spec)}; "
-                            f"drop {', '.join(unknown)}")
+        raise QuantkitError(f"{finish.replace('+', ' + ')} on --scheme {p.name}'s float grid takes only "
+                            f"{', '.join(takes)}; drop {', '.join(unknown)}")
     layout_of(p)  # the format's own refusal, with its reason
 
 

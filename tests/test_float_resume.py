@@ -64,10 +64,14 @@ def _interrupted(monkeypatch, run, after: int) -> None:
     ("NVFP4", "smoothquant,gptq", 1),  # stopped inside the SmoothQuant pass
     ("NVFP4", "smoothquant,gptq", 3),  # the pass finished, GPTQ's first layer saved
     ("W4AFP8", "gptq", 1),  # the integer weights' records
+    ("NVFP4", "gptq,signround", 1),  # SignRound's refined float results, with the absmax GPTQ observed
 ])
 def test_an_interrupted_float_run_resumes_to_the_same_bytes(tmp_path, monkeypatch, tiny_llama_dir, scheme, method,
                                                            after):
     src = str(tiny_llama_dir)
+    if "signround" in method:  # SignRound holds out a sequence of each of its 8 shards: 16 at least
+        monkeypatch.setitem(CALIBRATION, "num_samples", 16)
+        monkeypatch.setitem(CALIBRATION, "options", {"iters": 4, "eval_every": 2})
     quantkit.quantize(src, method, scheme=scheme, output=tmp_path / "whole", **CALIBRATION)
     whole = _tree(tmp_path / "whole")
 

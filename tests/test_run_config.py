@@ -295,8 +295,9 @@ def test_a_recipe_file_may_name_its_scheme(tmp_path):
     (dict(scheme="w4a16", bits=8), "--scheme W4A16 quantizes weights to 4 bits, not --bits 8; drop --bits"),
     (dict(scheme="W8A16", group_size=64), "not --group-size 64"),
     (dict(scheme="w4a16", sym=False), "--scheme W4A16 is symmetric; drop --sym/--asym"),
-    (dict(scheme="nvfp4a16", method="rtn,signround"), "written by --method rtn, gptq, smoothquant, smoothquant+gptq, awq, "
-                                                        "awq+gptq; drop --method rtn+signround"),
+    (dict(scheme="nvfp4a16", method="rtn,signround"), "written by --method rtn, gptq, gptq+signround, smoothquant, "
+                                                        "smoothquant+gptq, smoothquant+gptq+signround, awq, awq+gptq, "
+                                                        "awq+gptq+signround; drop --method rtn+signround"),
     (dict(scheme="nvfp4a16", method="gptq", options={"static_groups": False}), "float grid takes only damp_percent"),
     (dict(scheme="nvfp4a16", options={"mse": False}), "with round-to-nearest takes no method options"),
     (dict(scheme="w4a16", kv_cache_scheme="int8"), "--kv-cache-scheme 'int8' is not a KV-cache scheme"),

@@ -108,7 +108,6 @@ class FloatGPTQ(Quantizer):
         self._stats = LayerInputStatistics(with_cross=self.needs_reference_inputs)
         self._stage_mates: dict[str, list[str]] = {}
         self._stacked: dict[str, FloatResult] = {}
-        self._given: dict[str, FloatResult] = {}  # this layer's results, which end_layer gives their input absmax
         self._global_scales: dict[str, torch.Tensor] = {}
         self._ctx: Optional[LayerContext] = None
         # {linear: absmax of every input observed}, when the writer asks (`record_input_absmax`): a preset's
@@ -148,7 +147,7 @@ class FloatGPTQ(Quantizer):
 
     def quantize_linear(self, name: str, module: nn.Linear, scheme: LinearScheme) -> FloatResult:
         if name in self._stacked:
-            return self._given.setdefault(name, self._stacked.pop(name))
+            return self._stacked.pop(name)
         acc, cross = self._stats.pop(name)
         if acc is not None:
             acc.finish()
@@ -179,15 +178,14 @@ class FloatGPTQ(Quantizer):
             rows = slice(start, start + lin.out_features)
             start = rows.stop
             bias = None if lin.bias is None else lin.bias.detach().clone()
-            self._stacked[n] = FloatResult(g.encode(w_hat[rows].contiguous()), bias, stats)
-        return self._given.setdefault(name, self._stacked.pop(name))
+            self._stacked[n] = FloatResult(g.encode(w_hat[rows].contiguous()), bias, stats, self._absmax(n))
+        return self._stacked.pop(name)
 
     def quantize_uncalibrated(self, name: str, module: nn.Linear, scheme: LinearScheme) -> FloatResult:
         """Round to nearest under the format's scales (a MoE expert too few tokens reached)."""
         self.discard(name)
         bias = None if module.bias is None else module.bias.detach().clone()
-        return self._given.setdefault(name, FloatResult(self._grid(name, module.weight.data).rtn, bias,
-                                                        {"fallback": "rtn"}))
+        return FloatResult(self._grid(name, module.weight.data).rtn, bias, {"fallback": "rtn"}, self._absmax(name))
 
     def round_to_nearest(self, module: nn.Linear, scheme: LinearScheme) -> FloatResult:
         bias = None if module.bias is None else module.bias.detach().clone()
@@ -197,13 +195,15 @@ class FloatGPTQ(Quantizer):
         self._stats.pop(name)
         self._stacked.pop(name, None)
 
+    def _absmax(self, name: str) -> Optional[torch.Tensor]:
+        """With `record_input_absmax`, the input absmax of `name` (relative to the layer) for its result to carry
+        (every input of a linear is observed before it is quantized, as its Hessian is): the progress store keeps
+        it with the result, so a resumed run has it, and a refiner's result takes it over."""
+        if self.input_absmax is None:
+            return None
+        return self.input_absmax.get((self._ctx.prefix if self._ctx is not None else "") + name)
+
     def end_layer(self, ctx: LayerContext) -> None:
-        """With `record_input_absmax`, each result of the layer carries its linear's input absmax (all of its
-        inputs are observed by now), so the progress store keeps it with the result and a resumed run has it."""
-        if self.input_absmax is not None:
-            for name, result in self._given.items():
-                result.input_absmax = self.input_absmax.get(ctx.prefix + name)
-        self._given.clear()
         self._stats.clear()
         self._stacked.clear()
         self._global_scales = {}

@@ -67,6 +67,7 @@ class TunedLinear:
     high: torch.Tensor  # highest, 2**bits - 1 - z
     offset: torch.Tensor  # V [N, K], the rounding offsets tuned
     factor: torch.Tensor  # a [N, G], the per-group scale factors tuned
+    tunes_scales = True  # (a float grid's twin, signround_float.TunedFloatLinear, may not)
 
     @classmethod
     def start_from(cls, name: str, qw: QuantizedWeight, weight: torch.Tensor, device,
@@ -308,9 +309,9 @@ class _LayerRun:
         ctx, o = self.ctx, self.step.options
         rounded = ctx.rounded_weight or (lambda name: None)
         starts = self.starts(results)
-        linears = [TunedLinear.start_from(n[len(ctx.prefix):], qw, ctx.reference_layer.get_submodule(
-            n[len(ctx.prefix):]).weight, self.device, o["start_position"], rounded(n[len(ctx.prefix):]))
-            for n, qw in starts.items()]
+        linears = [_tuned(n[len(ctx.prefix):], qw, ctx.reference_layer.get_submodule(n[len(ctx.prefix):]).weight,
+                          self.device, o["start_position"], rounded(n[len(ctx.prefix):]))
+                   for n, qw in starts.items()]
         scaled = o["step_rule"] == "scaled"
         keys = [f"{t.name}.weight" for t in linears]
         lo, hi = (float(v) for v in o["scale_range"])
@@ -333,7 +334,7 @@ class _LayerRun:
             if quantizer_loss <= best_loss:
                 best_loss, best_step, best = quantizer_loss, -1, None
         for t in linears:
-            t.factor.requires_grad_(lo < hi)
+            t.factor.requires_grad_(lo < hi and t.tunes_scales)
             t.offset.requires_grad_(True)
         for step in range(iters):
             w = current(True)
@@ -398,6 +399,20 @@ class _LayerRun:
             stack.append((level, shard))
         (_, root), = stack
         return self.comm.tree_sum_(root)
+
+
+def _tuned(name: str, qw, weight: torch.Tensor, device, start_position: str, rounded):
+    """The tuning state of one linear: an integer grid's, or (a float preset's FloatResult) an FP4 grid's."""
+    from quantkit.float_codecs.result import FloatResult
+
+    if isinstance(qw, FloatResult):
+        from quantkit.quantizers.signround_float import TunedFloatLinear
+
+        if start_position == "rounded":
+            raise QuantkitError("signround option start_position=rounded needs the quantizer's rounded weights, which "
+                                "float GPTQ does not keep; use rtn or centre")
+        return TunedFloatLinear.start_from(name, qw, weight, device, start_position)
+    return TunedLinear.start_from(name, qw, weight, device, start_position, rounded)
 
 
 def _split_like(flat: torch.Tensor, like: list[torch.Tensor]):
