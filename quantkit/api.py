@@ -310,7 +310,9 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
             qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
             shapes = {name: tuple(w.shape) for name, w in written.items()}
             used = {k: v for k, v in plan.method_info().items() if k not in plan.recipe.describe() or k == "method"}
-            card_method = {**used, **non_default_options(plan.recipe)}  # the options the writer took, not the defaults
+            # the options the writer took (not the defaults), with those a float grid sets for its refiner
+            card_method = {**used, **float_checkpoint.float_defaults(plan.recipe.name, p),
+                           **non_default_options(plan.recipe)}
             (folder / "README.md").write_text(float_model_card(base_name, p, card_method, qcfg, shapes))
             resolved = _resolved_run(args, plan, {}, batch, None, save_dtype, None)
             (folder / RECIPE_FILE).write_text(resolved.to_yaml())

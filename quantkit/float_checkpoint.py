@@ -353,6 +353,12 @@ def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[
 FLOAT_SIGNROUND_DEFAULTS = {"scale_range": [1.0, 1.0], "step_rule": "scaled"}
 
 
+def float_defaults(method: str, preset: SchemePreset) -> dict:
+    """The options `method` runs with on `preset`'s float grid where they differ from the integer recipe's
+    defaults (what the model card must say beside the options given; W4AFP8's integer steps keep theirs)."""
+    return dict(FLOAT_SIGNROUND_DEFAULTS) if method.endswith("signround") and preset.weights.kind == "float" else {}
+
+
 def float_signround(options: dict):
     """SignRound for a float grid, from the SignRound options among `options` (refusing the starts a float
     quantizer cannot give: plain round-to-nearest's, and the quantizer's rounded weights)."""

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from quantkit.errors import QuantkitError
-from quantkit.float_codecs import e2m1, e4m3, mxfp4, nvfp4
+from quantkit.float_codecs import e2m1, mxfp4, nvfp4
 from quantkit.float_codecs.result import FloatResult
 from quantkit.quantizers.signround_float import TunedFloatLinear, bin_edges
 
@@ -96,6 +96,17 @@ def test_8_bit_grids_and_starts_a_float_grid_cannot_give_are_refused(tmp_path, t
         quantkit.quantize(src, "gptq,signround", scheme="NVFP4A16", output=tmp_path / "c",
                           options={"sym_range": "full"}, num_samples=16, seq_len=16, progress=False)
     assert not list(tmp_path.iterdir())
+
+
+def test_the_card_names_the_options_a_float_grid_sets_for_signround(tmp_path, tiny_llama_dir):
+    """The float defaults (scales kept, scaled steps) differ from the integer recipe's: the card says them."""
+    import quantkit
+
+    quantkit.quantize(str(tiny_llama_dir), "gptq,signround", scheme="NVFP4A16", output=tmp_path / "sr",
+                      num_samples=16, seq_len=16, options={"iters": 2}, progress=False)
+    card = (tmp_path / "sr" / "README.md").read_text()
+    assert "- method: `gptq+signround`" in card
+    assert "- scale_range: `[1.0, 1.0]`" in card and "- step_rule: `scaled`" in card and "- iters: `2`" in card
 
 
 def _tiny_llama():
