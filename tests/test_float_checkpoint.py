@@ -85,8 +85,9 @@ def test_what_cannot_be_written_is_refused_with_the_reason(tmp_path):
         assert not (tmp_path / name).exists()
     with pytest.raises(QuantkitError, match="--scheme W4A16 is not written by quantkit.float_checkpoint"):
         write(_tiny_llama(), preset("W4A16"), tmp_path / "W4A16")
-    with pytest.raises(QuantkitError, match="--scheme NVFP4 is written with --method rtn, gptq, smoothquant, smoothquant\\+gptq, awq, awq\\+gptq, "
-                                            "not 'signround'"):
+    with pytest.raises(QuantkitError, match="--scheme NVFP4 is written with --method rtn, gptq, gptq\\+signround, "
+                                            "smoothquant, smoothquant\\+gptq, smoothquant\\+gptq\\+signround, awq, "
+                                            "awq\\+gptq, awq\\+gptq\\+signround, not 'signround'"):
         write(_tiny_llama(), preset("NVFP4"), tmp_path / "awq", method="signround", calibration=_calibration("NVFP4"))
     with pytest.raises(QuantkitError, match="round-to-nearest onto --scheme W4AFP8 reads no calibration data"):
         write(_tiny_llama(), preset("W4AFP8"), tmp_path / "w4", calibration=_calibration("FP8"))

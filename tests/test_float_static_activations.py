@@ -175,8 +175,9 @@ def test_plan_gathers_calibration_for_static_activations_and_refuses_other_metho
     assert resolve_plan("rtn", scheme="nvfp4", calibration={"num_samples": 8}).calibration.num_samples == 8
     assert resolve_plan("rtn", scheme="W4AFP8").calibration is None  # dynamic activations: RTN reads no data
     assert resolve_plan("gptq", scheme="W4AFP8", options={"damp_percent": 0.05}).float_preset.name == "W4AFP8"
-    with pytest.raises(QuantkitError, match="--scheme NVFP4 is written by --method rtn, gptq, smoothquant, "
-                                            "smoothquant\\+gptq, awq, awq\\+gptq; drop --method rtn\\+signround"):
+    with pytest.raises(QuantkitError, match="--scheme NVFP4 is written by --method rtn, gptq, gptq\\+signround, "
+                                            "smoothquant, smoothquant\\+gptq, smoothquant\\+gptq\\+signround, awq, "
+                                            "awq\\+gptq, awq\\+gptq\\+signround; drop --method rtn\\+signround"):
         resolve_plan("rtn,signround", scheme="NVFP4")
     assert resolve_plan("smoothquant", scheme="NVFP4").recipe.name == "smoothquant"  # tests/test_float_smoothquant.py
     with pytest.raises(QuantkitError, match="reads no calibration data, so --num-samples would be ignored"):

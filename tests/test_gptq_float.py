@@ -123,7 +123,9 @@ def test_method_and_calibration_are_checked(tmp_path):
 
     with pytest.raises(QuantkitError, match="needs calibration data"):
         write(tiny_model("llama"), preset("MXFP4A16"), tmp_path / "a", method="gptq")
-    with pytest.raises(QuantkitError, match="written with --method rtn, gptq, smoothquant, smoothquant\\+gptq, awq, awq\\+gptq, not 'signround'"):
+    with pytest.raises(QuantkitError, match="written with --method rtn, gptq, gptq\\+signround, smoothquant, "
+                                            "smoothquant\\+gptq, smoothquant\\+gptq\\+signround, awq, awq\\+gptq, "
+                                            "awq\\+gptq\\+signround, not 'signround'"):
         write(tiny_model("llama"), preset("MXFP4A16"), tmp_path / "b", method="signround")
     assert not list(tmp_path.iterdir())
 
