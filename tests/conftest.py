@@ -106,20 +106,25 @@ def demo_bench() -> DemoBench:
     return DemoBench()
 
 
+def save_tiny_llama(out: Path, demo_dir: Path, hidden: int = 64, intermediate: int = 128) -> Path:
+    """A 2-layer random Llama (seed 0) saved in `out` like a real HF folder, with the demo's tokenizer (so
+    vocab matches)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+                                   max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
+                                   eos_token_id=2)
+    transformers.AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(demo_dir).save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, demo_dir) -> Path:
     """A 2-layer random Llama saved like a real HF folder, with the demo's tokenizer (so vocab matches)."""
-    import transformers
-
-    out = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512,
-                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    model.save_pretrained(out)
-    transformers.AutoTokenizer.from_pretrained(demo_dir).save_pretrained(out)
-    return out
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), demo_dir)
 
 
 def run_cli(*args, cwd=None, env=None, timeout=900):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import quantkit
+from conftest import save_tiny_llama
 from quantkit.errors import QuantkitError
 
 pytest.importorskip("compressed_tensors")
@@ -19,16 +20,7 @@ CALIBRATION = dict(num_samples=4, seq_len=32, seed=1, progress=False)
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory, demo_dir) -> Path:
     """2 random Llama layers whose every input size divides W4AFP8's groups of 128, with the demo tokenizer."""
-    import transformers
-
-    out = tmp_path_factory.mktemp("tiny-llama-128")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512,
-                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    transformers.AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(out)
-    transformers.AutoTokenizer.from_pretrained(demo_dir).save_pretrained(out)
-    return out
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-128"), demo_dir, hidden=128, intermediate=256)
 
 
 def _tree(folder: Path) -> dict[str, str]:

@@ -525,15 +525,13 @@ def test_disk_full_during_the_final_write_keeps_progress_and_resume_finishes_byt
     assert tree_digest(out) == tree_digest(clean)
 
 
-def test_disk_full_while_calibrating_names_resume(tmp_path, monkeypatch, tiny_llama_dir):
+def _disk_full_after_first_layer(monkeypatch) -> None:
+    """Every progress record after the first fails as a full disk does (ENOSPC), until monkeypatch.undo()."""
     import errno
     import os
 
     from quantkit.progress import ProgressStore
 
-    clean, out = tmp_path / "clean", tmp_path / "out"
-    argv = ["quantize", "--model", tiny_llama_dir, *CAL]
-    assert run_main([*argv, "--output", clean])[0] == 0
     save = ProgressStore.save_layer
 
     def save_first_only(self, record):
@@ -542,6 +540,13 @@ def test_disk_full_while_calibrating_names_resume(tmp_path, monkeypatch, tiny_ll
         save(self, record)
 
     monkeypatch.setattr(ProgressStore, "save_layer", save_first_only)
+
+
+def test_disk_full_while_calibrating_names_resume(tmp_path, monkeypatch, tiny_llama_dir):
+    clean, out = tmp_path / "clean", tmp_path / "out"
+    argv = ["quantize", "--model", tiny_llama_dir, *CAL]
+    assert run_main([*argv, "--output", clean])[0] == 0
+    _disk_full_after_first_layer(monkeypatch)
     code, stderr = run_main([*argv, "--output", out])
     assert_one_line_error(code, stderr, "disk full while calibrating")
     assert "no space left" in stderr and "--resume" in stderr, stderr
@@ -555,22 +560,10 @@ def test_disk_full_in_a_float_run_names_resume_and_resume_finishes_byte_identica
                                                                                   tiny_llama_dir):
     """--scheme NVFP4A16 with GPTQ: the disk fills after layer 0's record; one line naming --resume, and the
     resumed run writes the uninterrupted bytes. Round-to-nearest (no layers): the same one line, nothing left."""
-    import errno
-    import os
-
-    from quantkit.progress import ProgressStore
-
     clean, out = tmp_path / "clean", tmp_path / "out"
     argv = ["quantize", "--model", tiny_llama_dir, "--scheme", "NVFP4A16", *CAL]
     assert run_main([*argv, "--output", clean])[0] == 0
-    save = ProgressStore.save_layer
-
-    def save_first_only(self, record):
-        if list(self.done_layers()):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.folder / "layers"))
-        save(self, record)
-
-    monkeypatch.setattr(ProgressStore, "save_layer", save_first_only)
+    _disk_full_after_first_layer(monkeypatch)
     code, stderr = run_main([*argv, "--output", out])
     assert_one_line_error(code, stderr, "float disk full while calibrating")
     assert "no space left" in stderr and "--resume" in stderr, stderr
@@ -579,6 +572,9 @@ def test_disk_full_in_a_float_run_names_resume_and_resume_finishes_byte_identica
     code, stderr = run_main([*argv, "--output", out, "--resume"])
     assert code == 0, stderr[-2000:]
     assert tree_digest(out) == tree_digest(clean)
+
+    import errno
+    import os
 
     from quantkit import float_checkpoint
 

@@ -97,9 +97,13 @@ class TunedFloatLinear:
         global scale; MXFP4's power of two as it is."""
         if self.global_scale is None:
             return self.base
-        scale = (self.base * factor).clamp(_SMALLEST_E4M3, e4m3.MAX)
+        scale = self.group_scale(factor)
         scale = scale + (e4m3.to_e4m3(scale).to(torch.float32) - scale).detach()
         return scale / self.global_scale
+
+    def group_scale(self, factor: torch.Tensor) -> torch.Tensor:
+        """NVFP4's tuned group scales before their E4M3 rounding, within E4M3's positive range."""
+        return (self.base * factor).clamp(_SMALLEST_E4M3, e4m3.MAX)
 
     def values(self, step: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
         """E2M1 values in units of the step, rounding straight-through."""
@@ -119,7 +123,7 @@ class TunedFloatLinear:
         if self.global_scale is None:
             weight = Mxfp4Weight(codes.cpu(), old.weight.scale_codes)
         else:
-            scale = e4m3.to_e4m3((self.base * factor).clamp(_SMALLEST_E4M3, e4m3.MAX))
+            scale = e4m3.to_e4m3(self.group_scale(factor))
             weight = Nvfp4Weight(codes.cpu(), scale.cpu(), old.weight.global_scale)
         if not torch.equal(weight.dequantize().to(self.weight.device), self.dequantized(factor, offset)):
             raise QuantkitError(f"signround's tuned {self.name} does not encode back to itself; this is a bug")
