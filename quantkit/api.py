@@ -274,10 +274,14 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
     from quantkit.run_recipe import RECIPE_FILE, non_default_options
 
     p = plan.float_preset
-    if layer_source is not None or comm is not None or args["target_bits"] is not None or args["target_size"]:
-        raise QuantkitError(f"--scheme {p.name} is written from a model held in one process; drop --streaming, "
-                            "--device-map, --nproc and --target-bits/--target-size")
+    if comm is not None or args["target_bits"] is not None or args["target_size"]:
+        raise QuantkitError(f"--scheme {p.name} is written by one process with one scheme; drop --nproc and "
+                            "--target-bits/--target-size")
+    if layer_source is not None and plan.kv_cache is not None:
+        raise QuantkitError("--kv-cache-scheme observes the whole model's keys and values, which --streaming / "
+                            "--device-map do not hold; drop one of them")
     from quantkit.sources import in_memory_identity, parse_dtype, source_dtype
+    from quantkit.streaming import bounded_heap
 
     save_dtype = parse_dtype(args["dtype"]) or source_dtype(hf_model.config)
     output = Path(args["output"]) if args["output"] is not None else \
@@ -285,7 +289,7 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
     _check_output(output, args["overwrite"], args["resume"], source_ref)
     stage = staging_dir(output).with_name(f".{output.name}.float-partial")  # the checkpoint while it is written
     # a full disk or unwritable place: one line (the finished layers kept for --resume where there are any)
-    with writing_output(output, resume_hint=plan.recipe.needs_calibration):
+    with writing_output(output, resume_hint=plan.recipe.needs_calibration or layer_source is not None):
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir(parents=True)
         ids = batch = store = None
@@ -300,15 +304,16 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
             source = in_memory_identity(hf_model) if isinstance(args["model"], nn.Module) else args["model"]
             store = _progress_store(output, source, plan, save_dtype, batch, ids, args["resume"],
                                     layout=f"compressed-tensors:{float_checkpoint.layout_of(p)}")
-            written = float_checkpoint.write(
-                hf_model, p, folder, ignore=plan.scheme.ignore, method=plan.recipe.name, calibration=ids,
-                options=non_default_options(plan.recipe), batch_size=batch or 8, progress=bool(args["progress"]),
-                kv_scales=kv_scales, save_dtype=save_dtype, max_shard_size=shard_bytes,
-                device=_compute_device(args["device"], None), store=store)
+            with bounded_heap() if layer_source is not None else contextlib.nullcontext():  # as the integer runs
+                written = float_checkpoint.write(
+                    hf_model, p, folder, ignore=plan.scheme.ignore, method=plan.recipe.name, calibration=ids,
+                    options=non_default_options(plan.recipe), batch_size=batch or 8, progress=bool(args["progress"]),
+                    kv_scales=kv_scales, save_dtype=save_dtype, max_shard_size=shard_bytes,
+                    device=_compute_device(args["device"], None), store=store, layer_source=layer_source)
             if tokenizer is not None:
                 tokenizer.save_pretrained(folder)
             qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
-            shapes = {name: tuple(w.shape) for name, w in written.items()}
+            shapes = written  # {module name: weight shape}
             used = {k: v for k, v in plan.method_info().items() if k not in plan.recipe.describe() or k == "method"}
             # the options the writer took (not the defaults), with those a float grid sets for its refiner
             card_method = {**used, **float_checkpoint.float_defaults(plan.recipe.name, p),
@@ -327,9 +332,10 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
     del hf_model  # --eval loads the written checkpoint instead
     summarize = lambda metrics: {  # noqa: E731
         "output": str(output), "method": plan.recipe.name, "scheme": p.name, "format": "compressed-tensors",
-        "layout": float_checkpoint.layout_of(p), "quantized_linears": len(shapes),
+        "layout": float_checkpoint.layout_of(p), "quantized_linears": len(shapes), "streaming": layer_source is not None,
         "seconds": round(time.perf_counter() - t0, 3), "peak_rss_mb": _rss_mb(), **({"metrics": metrics} if metrics else {})}
-    return _finished(args, output, plan, resolved, summarize, {}, None)
+    placed = {"placement": layer_source.placement()} if args["device_map"] is not None else {}
+    return _finished(args, output, plan, resolved, summarize, placed, None)
 
 
 def _kv_cache_scales(plan, hf_model, input_ids, batch, progress):

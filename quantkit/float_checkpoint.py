@@ -143,7 +143,7 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
           ignore: Iterable[str] = DEFAULT_IGNORE, method: str = "rtn", calibration: Optional[torch.Tensor] = None,
           options: Optional[dict] = None, batch_size: int = 8, progress: bool = False,
           kv_scales=None, save_dtype: Optional[torch.dtype] = None, max_shard_size="5GB",
-          device: torch.device | str = "cpu", store=None) -> dict[str, torch.Tensor]:
+          device: torch.device | str = "cpu", store=None, layer_source=None) -> dict[str, tuple]:
     """Quantize every nn.Linear of a transformers model not matching `ignore` (regexes) and save it to `output`
     (a new folder; written in a staging folder beside it and renamed, so a failure leaves nothing behind).
     MoE experts are quantized one linear per expert and projection (the names compressed-tensors and vLLM
@@ -162,8 +162,12 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     files sharded at `max_shard_size` as `save_pretrained` shards them; the calibration passes run each layer on
     `device`. With a started `store` (quantkit.progress.ProgressStore) the calibration passes save each
     finished layer there (a transform pass in its child store "pass") and restore those already saved, so an
-    interrupted run resumed with the same store writes the same bytes. Returns {module name: dequantized float32
-    weight}, what a reader should reconstruct."""
+    interrupted run resumed with the same store writes the same bytes. With a `layer_source` (quantkit.streaming:
+    `model` is a skeleton whose decoder layers are read from its files one at a time) and a started `store`, every
+    layer goes through the pipeline (round-to-nearest as its step `quantizers.rtn_float.FloatRTN`) and the
+    checkpoint is assembled from the store layer by layer (`_write_streamed`), so memory holds one layer, not the
+    model; the same bytes as in memory. Returns {module name: weight shape} of the quantized linears (what they
+    dequantize to: `read_dequantized(output)`)."""
     out = Path(output)
     if out.exists():
         raise QuantkitError(f"output folder {out} already exists; choose a new folder")
@@ -184,6 +188,8 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     if preset.calibrates_activations and calibration is None:
         raise QuantkitError(f"--scheme {preset.name} stores input scales measured on calibration data; it needs "
                             "calibration token ids with --method rtn as with gptq")
+    if layer_source is not None:
+        _check_streamable(model, preset, first, method, store)
     check_shapes(model, preset, tuple(ignore))
     if first is not None:  # exact in full precision: everything below sees the transformed model
         float_passes.run_pass(model, preset, first, pipeline_linears(model, tuple(ignore))[1], calibration,
@@ -196,35 +202,54 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
         if preset.calibrates_activations and not scales_from_gptq else {}
     if integer:
         results = _integer_results(model, preset, tuple(ignore), method, calibration, options, batch_size,
-                                   progress, device, store)
+                                   progress, device, store, layer_source)
     elif method in ("gptq", "gptq+signround"):
         results = _gptq_results(model, preset, tuple(ignore), calibration, options, batch_size, progress,
                                 record_input_absmax=scales_from_gptq, device=device, store=store,
-                                refine=method == "gptq+signround")
+                                refine=method == "gptq+signround", layer_source=layer_source)
         if scales_from_gptq:
-            absmax = {n: r.input_absmax for n, r in results.items() if r.input_absmax is not None}
+            absmax = {n: r.input_absmax for n, r in _results(results, store) if r.input_absmax is not None}
             input_scales = _input_scales(model, preset, tuple(ignore), absmax=absmax)
+    elif layer_source is not None:  # streamed round-to-nearest: as a pipeline step, layer by layer
+        results = _rtn_results(model, preset, tuple(ignore), options, progress, device, store, layer_source)
     else:
         results = None
+    with contextlib.ExitStack() as scratch:
+        if layer_source is not None:
+            layout, load, written, kept, rename = scratch.enter_context(
+                _streamed_tensors(out, model, preset, tuple(ignore), store, input_scales, save_dtype))
+        else:
+            layout, load, written, kept, rename = _in_memory_tensors(model, preset, tuple(ignore), results,
+                                                                     options.get("mse"), input_scales, save_dtype)
+        if not written:
+            raise QuantkitError("no linear layers left to quantize after the ignore list; loosen --ignore")
+        config = model.config.to_dict()
+        config["quantization_config"] = quantization_config(preset, sorted({rename(n) for n in kept}))
+        if kv_scales is not None:
+            extra = kv_scales.tensors(rename)
+            layout.update({k: (t.dtype, tuple(t.shape)) for k, t in extra.items()})
+            load = (lambda own: lambda k: extra[k] if k in extra else own(k))(load)
+            config["quantization_config"]["kv_cache_scheme"] = kv_scales.scheme.config()
+        if save_dtype is not None:
+            config["dtype"] = str(save_dtype).replace("torch.", "")  # as the integer checkpoints (checkpoint._save_config)
+            config.pop("torch_dtype", None)
+        _save(out, layout, load, config, max_shard_size)
+    return written
+
+
+def _in_memory_tensors(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
+                       results: Optional[dict], search: Optional[bool], input_scales: dict,
+                       save_dtype: Optional[torch.dtype]):
+    """(layout {checkpoint tensor name: (dtype, shape)}, load(name), {module name: weight shape}, the linears
+    left in full precision, rename) of a model held in memory (`_quantized_state`, experts as their linears)."""
     with _experts_as_linears(model) as adapter:
         rename = adapter.checkpoint_name if adapter is not None else (lambda n: n)
         full_precision = set(adapter.full_precision_modules(model)) if adapter is not None else set()
-        state, dequantized, skipped = _quantized_state(model, preset, tuple(ignore), full_precision, results,
-                                                       search=options.get("mse"), input_scales=input_scales,
-                                                       save_dtype=save_dtype)
+        state, shapes, skipped = _quantized_state(model, preset, patterns, full_precision, results,
+                                                  search=search, input_scales=input_scales, save_dtype=save_dtype)
     state = {rename(k): v for k, v in state.items()}
-    if not dequantized:
-        raise QuantkitError("no linear layers left to quantize after the ignore list; loosen --ignore")
-    config = model.config.to_dict()
-    config["quantization_config"] = quantization_config(preset, sorted({rename(n) for n in skipped | full_precision}))
-    if kv_scales is not None:
-        state.update(kv_scales.tensors(rename))
-        config["quantization_config"]["kv_cache_scheme"] = kv_scales.scheme.config()
-    if save_dtype is not None:
-        config["dtype"] = str(save_dtype).replace("torch.", "")  # as the integer checkpoints (checkpoint._save_config)
-        config.pop("torch_dtype", None)
-    _save(out, state, config, max_shard_size)
-    return dequantized
+    return ({k: (t.dtype, tuple(t.shape)) for k, t in state.items()}, state.__getitem__, shapes,
+            skipped | full_precision, rename)
 
 
 def _quantized_names(model: torch.nn.Module, patterns: tuple[str, ...], full_precision: set[str]) -> list[str]:
@@ -291,7 +316,7 @@ def pipeline_linears(model: torch.nn.Module, patterns: tuple[str, ...]):
 
 def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...], method: str,
                      calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool,
-                     device: torch.device | str = "cpu", store=None) -> dict:
+                     device: torch.device | str = "cpu", store=None, layer_source=None) -> Optional[dict]:
     """{linear name: QuantizedWeight} of the integer recipe `method` (rtn, gptq, awq, awq,gptq: with `options`,
     as on the integer path) on the preset's integer weight grid (W4AFP8: 4-bit symmetric groups of 128), through
     quantkit's pipeline."""
@@ -314,14 +339,15 @@ def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tup
     scheme = LinearScheme(bits=w.bits, group_size=w.group_size if w.strategy == "group" else -1, sym=w.symmetric)
     results = quantize_model(model, adapter, recipe, dict.fromkeys(names, scheme),
                              calibration if recipe.needs_calibration else None, batch_size=batch_size,
-                             progress=progress, device=device, store=store)
-    return results if store is None else _stored_results(store)
+                             progress=progress, device=device, store=store, layer_source=layer_source,
+                             release_layers=layer_source is not None)
+    return _kept_results(results, store, layer_source)
 
 
 def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
                   calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool,
                   record_input_absmax: bool = False, device: torch.device | str = "cpu", store=None,
-                  refine: bool = False) -> dict:
+                  refine: bool = False, layer_source=None) -> Optional[dict]:
     """{linear name: FloatResult} of GPTQ on the preset's grid, from quantkit's calibration pipeline (each
     with the absmax of the inputs GPTQ observed, `input_absmax`, when `record_input_absmax`); with `refine`,
     each layer's results then tuned together by SignRound (its options among `options`)."""
@@ -341,8 +367,60 @@ def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[
         step = Recipe([step, float_signround(options)])
     schemes = dict.fromkeys(names, LinearScheme(bits=preset.weights.bits, group_size=-1, sym=True))
     results = quantize_model(model, adapter, step, schemes, calibration, batch_size=batch_size, progress=progress,
-                             device=device, store=store)
+                             device=device, store=store, layer_source=layer_source,
+                             release_layers=layer_source is not None)
+    return _kept_results(results, store, layer_source)
+
+
+def _rtn_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...], options: dict,
+                 progress: bool, device, store, layer_source) -> None:
+    """Round-to-nearest of every layer through the pipeline (a streamed model), each finished layer in `store`."""
+    from quantkit.pipeline import quantize_model
+    from quantkit.quantizers.rtn_float import FloatRTN
+    from quantkit.scheme import LinearScheme
+
+    adapter, names = pipeline_linears(model, patterns)
+    schemes = dict.fromkeys(names, LinearScheme(bits=preset.weights.bits, group_size=-1, sym=True))
+    quantize_model(model, adapter, FloatRTN(preset, **options), schemes, None, progress=progress, device=device,
+                   store=store, layer_source=layer_source, release_layers=True)
+
+
+def _kept_results(results: dict, store, layer_source) -> Optional[dict]:
+    """The pipeline's results as the writer reads them: from the store where there is one (a resumed run's
+    restored layers among them); None when streamed (`_results` reads them layer by layer)."""
+    if layer_source is not None:
+        return None
     return results if store is None else _stored_results(store)
+
+
+def _results(results: Optional[dict], store):
+    """(linear name, result) pairs: of `results`, or (streamed: None) of the store one layer at a time."""
+    if results is not None:
+        yield from results.items()
+        return
+    for i in store.done_layers():
+        yield from store.load_layer(i).quantized.items()
+
+
+def _check_streamable(model: torch.nn.Module, preset: SchemePreset, first, method: str, store) -> None:
+    """Refuse, with the reason, what a streamed float run cannot do (the model is read one layer at a time)."""
+    from quantkit.models import get_adapter
+
+    if store is None:
+        raise ValueError("a streamed float run keeps its layers in a started progress store; pass store=")
+    adapter = get_adapter(model)
+    if any(adapter.moe_blocks(layer) for layer in adapter.decoder_layers(model)):  # as the integer path refuses
+        raise QuantkitError("streaming Mixture-of-Experts models is not supported yet (the streamed reader does not "
+                            "fuse the experts' per-expert tensors); pass --no-streaming (the model is then held in "
+                            "memory)")
+    if first is not None:
+        raise QuantkitError(f"--streaming reads one layer at a time, and --method {first.name} transforms the whole "
+                            "model before it is rounded; use --method rtn or gptq, or drop --streaming")
+    if method == "rtn" and preset.calibrates_activations:
+        raise QuantkitError(f"--scheme {preset.name} with --method rtn measures its static input scales on a forward "
+                            "of the whole model, which --streaming does not hold; use --method gptq (its scales "
+                            "come from the layer-by-layer pass) or drop --streaming")
+
 
 
 # SignRound's defaults where a float grid's differ from the integer ones' (measured on the demo, NVFP4A16, 32 x 256
@@ -380,9 +458,9 @@ def _stored_results(store) -> dict:
 def _quantized_state(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
                      full_precision: set[str], results: Optional[dict] = None, search: Optional[bool] = None,
                      input_scales: Optional[dict] = None, save_dtype: Optional[torch.dtype] = None
-                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], set[str]]:
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, tuple], set[str]]:
     """(the state dict with every quantized linear's weight replaced by its layout's tensors and its static
-    input scale from `input_scales` added, {module: dequantized weight}, the linears left in full precision).
+    input scale from `input_scales` added, {module: weight shape}, the linears left in full precision).
     With `results` (GPTQ's, or the integer steps'), each linear's weight object comes from there instead of
     round-to-nearest. The model's own floating tensors are cast to `save_dtype` (the quantized ones keep their
     layout's dtypes)."""
@@ -392,22 +470,23 @@ def _quantized_state(model: torch.nn.Module, preset: SchemePreset, patterns: tup
     skipped = {n for n in linears if n in full_precision or any(re.search(p, n) for p in patterns)}
     rtn_nvfp4 = results is None and layout_of(preset) == ct_nvfp4.FORMAT
     shared = shared_global_scales(model, set(linears) - skipped) if rtn_nvfp4 else {}
-    dequantized = {}
+    shapes = {}
     for name, module in linears.items():
         if name in skipped:
             continue
         if results is None:
-            tensors, dequantized[name] = quantize_weight(module.weight.detach(), preset, shared.get(name), search)
+            tensors, _ = quantize_weight(module.weight.detach(), preset, shared.get(name), search)
         else:
             if name not in results:
                 raise QuantkitError(f"GPTQ left {name} unquantized; this is a bug")
             q = results[name] if isinstance(results[name], QuantizedWeight) else results[name].weight
-            tensors, dequantized[name] = LAYOUTS[layout_of(preset)].pack(q), q.dequantize()
+            tensors = LAYOUTS[layout_of(preset)].pack(q)
         if input_scales:
             suffix, scale = input_scales[name]
             tensors = {**tensors, suffix: scale}
         del state[f"{name}.weight"]
         state.update({f"{name}.{suffix}": t for suffix, t in tensors.items()})
+        shapes[name] = tuple(module.weight.shape)
     # tied parameters and per-expert views share storage; safetensors refuses that, so store independent copies
     seen = set()
     for key, tensor in state.items():
@@ -416,19 +495,99 @@ def _quantized_state(model: torch.nn.Module, preset: SchemePreset, patterns: tup
             state[key] = tensor.clone()
         seen.add(ptr)
         state[key] = state[key].contiguous()
-    return state, dequantized, skipped
+    return state, shapes, skipped
 
 
-def _save(out: Path, state: dict[str, torch.Tensor], config: dict, max_shard_size="5GB") -> None:
-    """The safetensors shards (quantkit.checkpoint.write_shards, as the integer checkpoints are) + config.json,
-    written in a staging folder beside `out` and renamed into place."""
+@contextlib.contextmanager
+def _streamed_tensors(out: Path, model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...], store,
+                      input_scales: dict, save_dtype: Optional[torch.dtype]):
+    """For the duration: (layout {checkpoint tensor name: (dtype, shape)}, load(name), {module name: weight shape},
+    the linears left in full precision) of a streamed run (`model` a skeleton holding only its non-layer tensors),
+    from the layers `store` holds: each layer's linears packed by the layout's packer, its other tensors cast to
+    `save_dtype`, into a scratch file beside `out` one layer at a time (removed afterwards). The layout's order is
+    the in-memory writer's (`_quantized_state`: the model's tensors with the quantized weights taken out, then each
+    quantized linear's packed tensors), so the shards are byte-identical to it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    layout = LAYOUTS[layout_of(preset)]
+    with _experts_as_linears(model) as adapter:
+        rename = adapter.checkpoint_name if adapter is not None else (lambda n: n)
+        full_precision = set(adapter.full_precision_modules(model)) if adapter is not None else set()
+        prefix = adapter.layers_prefix(model) + "."
+        skeleton = {k: (v.dtype, tuple(v.shape)) for k, v in model.state_dict().items()}
+        linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    skipped = {n for n in linears if n in full_precision or any(re.search(p, n) for p in patterns)}
+    quantized = [n for n in linears if n not in skipped]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.layers.", dir=out.parent))
+    try:
+        where: dict[str, tuple[Path, torch.dtype, tuple]] = {}  # layer tensor -> (its scratch file, dtype, shape)
+        packed_names: dict[str, list[str]] = {}
+        shapes: dict[str, tuple] = {}
+        for i in store.done_layers():
+            record, tensors = store.load_layer(i), {}
+            for name, r in record.quantized.items():
+                q = r if isinstance(r, QuantizedWeight) else r.weight
+                packed = layout.pack(q)
+                if input_scales:
+                    suffix, scale = input_scales[name]
+                    packed = {**packed, suffix: scale}
+                packed_names[name] = [f"{name}.{k}" for k in packed]
+                tensors.update({f"{name}.{k}": t.contiguous() for k, t in packed.items()})
+                if r.bias is not None:
+                    tensors[f"{name}.bias"] = _cast(r.bias, save_dtype)
+                shapes[name] = tuple(r.shape)
+            tensors.update({k: _cast(v, save_dtype) for k, v in record.other.items()})
+            path = scratch / f"layer-{i:05d}.safetensors"
+            save_file(tensors, str(path))
+            where.update({k: (path, t.dtype, tuple(t.shape)) for k, t in tensors.items()})
+            del record, tensors
+        missing = [n for n in quantized if n not in packed_names]
+        if missing:
+            raise QuantkitError(f"the streamed run's records lack {missing[0]}; delete the staging folder and rerun")
+        weights = {f"{n}.weight" for n in quantized}
+        order = [k for k in skeleton if k not in weights] + [k for n in quantized for k in packed_names[n]]
+        plan: dict[str, tuple[Optional[Path], torch.dtype, tuple]] = {}
+        for k in order:
+            if k.startswith(prefix):
+                if k not in where:
+                    raise QuantkitError(f"the streamed run's records lack {k}; delete the staging folder and rerun")
+                plan[k] = where[k]
+            else:
+                dtype, shape = skeleton[k]
+                plan[k] = (None, save_dtype if save_dtype is not None and dtype.is_floating_point else dtype, shape)
+        model_state = model.state_dict()
+        original = {rename(k): k for k in plan}
+
+        def load(name: str) -> torch.Tensor:
+            key = original[name]
+            path, dtype, _ = plan[key]
+            if path is None:
+                return _cast(model_state[key], dtype)
+            with safe_open(str(path), framework="pt") as f:  # opened per tensor: nothing stays mapped
+                return f.get_tensor(key)
+
+        yield {rename(k): v[1:] for k, v in plan.items()}, load, shapes, skipped | full_precision, rename
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _cast(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    t = tensor.detach()
+    return (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous().clone()
+
+
+def _save(out: Path, layout: dict[str, tuple[torch.dtype, tuple]], load, config: dict, max_shard_size="5GB") -> None:
+    """The safetensors shards of `layout` ({name: (dtype, shape)}, each tensor fetched by `load(name)`;
+    quantkit.checkpoint.write_shards, as the integer checkpoints are written) + config.json, written in a staging
+    folder beside `out` and renamed into place."""
     from quantkit.checkpoint import write_shards
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        write_shards({k: (t.dtype, tuple(t.shape)) for k, t in state.items()}, state.__getitem__, staging,
-                     max_shard_size)
+        write_shards(layout, load, staging, max_shard_size)
         (staging / "config.json").write_text(json.dumps(config, indent=2, default=str))
         staging.rename(out)
     except BaseException:

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from quantkit.errors import QuantkitError
-from quantkit.float_checkpoint import WRITABLE, write
+from quantkit.float_checkpoint import WRITABLE, read_dequantized, write
 from quantkit.scheme_presets import preset
 
 pytest.importorskip("compressed_tensors")
@@ -40,9 +40,11 @@ def _decompressed_by_compressed_tensors(folder, weights: dict, name: str):
 def test_compressed_tensors_decompresses_quantkits_weights(tmp_path, name):
     model = _tiny_llama()
     out = tmp_path / name
-    ours = write(model, preset(name), out, calibration=_calibration(name))
+    shapes = write(model, preset(name), out, calibration=_calibration(name))
+    ours = read_dequantized(out)  # the weights quantkit's packers read back
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["ignore"] == ["lm_head"] and len(ours) == 7
+    assert shapes == {n: tuple(model.get_submodule(n).weight.shape) for n in ours}
     loaded = _decompressed_by_compressed_tensors(out, ours, name)
     for module_name in ours:
         got = loaded.get_submodule(module_name).weight.detach()
@@ -99,13 +101,22 @@ def test_what_cannot_be_written_is_refused_with_the_reason(tmp_path):
 
 @pytest.mark.parametrize("name", WRITABLE)
 def test_quantkit_reads_back_what_it_wrote(tmp_path, name):
-    from quantkit.float_checkpoint import read_dequantized
+    """The reader and the runtime's loader give the same weights (compressed-tensors' agree with the reader's:
+    the test above), and round-to-nearest's own weights where the writer rounds them alone (weight-only)."""
+    import quantkit
+    from quantkit.float_checkpoint import quantize_weight
+    from quantkit.runtime.float_linear import FloatLinear
 
-    ours = write(_tiny_llama(), preset(name), tmp_path / name, calibration=_calibration(name))
+    model = _tiny_llama()
+    write(model, preset(name), tmp_path / name, calibration=_calibration(name))
     back = read_dequantized(tmp_path / name)
-    assert sorted(back) == sorted(ours)
-    for module_name, w in ours.items():
-        assert torch.equal(back[module_name], w), module_name
+    loaded = {n: m for n, m in quantkit.load(tmp_path / name).named_modules() if isinstance(m, FloatLinear)}
+    assert sorted(back) == sorted(loaded) and len(back) == 7
+    for module_name, w in back.items():
+        assert torch.equal(loaded[module_name].dequantized_weight(), w), module_name
+    if preset(name).weights.kind == "float" and preset(name).weights.strategy != "tensor_group":  # no shared scale
+        for module_name, w in back.items():
+            assert torch.equal(quantize_weight(model.get_submodule(module_name).weight, preset(name))[1], w)
 
 
 def _fused_siblings(model, module_name):
@@ -171,7 +182,8 @@ def test_quantkit_reads_a_checkpoint_compressed_tensors_wrote(tmp_path, name):
     assert sorted(loaded) == sorted(ours) and all(torch.equal(loaded[m].dequantized_weight(), ours[m]) for m in ours)
     # quantkit's own RTN of the same model, on the absmax scales (no range search), gives the same weights
     # compressed-tensors wrote
-    written = write(_tiny_llama(), preset(name), tmp_path / f"qk-{name}", options={"mse": False})
+    write(_tiny_llama(), preset(name), tmp_path / f"qk-{name}", options={"mse": False})
+    written = read_dequantized(tmp_path / f"qk-{name}")
     assert all(torch.equal(written[m], ours[m]) for m in ours)
     _decompressed_by_compressed_tensors(out, ours, name)
 

@@ -141,8 +141,11 @@ def test_searched_checkpoint_decompresses_through_compressed_tensors_as_quantkit
     def model():
         return tiny_model("llama", hidden_size=128, intermediate_size=256)
 
-    ours = write(model(), preset(name), tmp_path / "mse", options={"mse": True})
-    plain = write(model(), preset(name), tmp_path / "plain", options={"mse": False})
+    from quantkit.float_checkpoint import read_dequantized
+
+    write(model(), preset(name), tmp_path / "mse", options={"mse": True})
+    write(model(), preset(name), tmp_path / "plain", options={"mse": False})
+    ours, plain = read_dequantized(tmp_path / "mse"), read_dequantized(tmp_path / "plain")
     assert any(not torch.equal(ours[m], plain[m]) for m in ours)  # the search changed some weights
     decompressed = ct_decompressed(tmp_path / "mse")
     loaded = quantkit.load(tmp_path / "mse")

@@ -140,8 +140,12 @@ def _unpack_int4_words(words: torch.Tensor, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_w4afp8_weights_unpack_by_plain_pytorch(tmp_path, method):
     model = _tiny_llama()
-    ours = write(model, preset("W4AFP8"), tmp_path / "w4", method=method,
-                 calibration=CALIBRATION if method == "gptq" else None)
+    from quantkit.float_checkpoint import read_dequantized
+
+    shapes = write(model, preset("W4AFP8"), tmp_path / "w4", method=method,
+                   calibration=CALIBRATION if method == "gptq" else None)
+    ours = read_dequantized(tmp_path / "w4")  # checked against plain PyTorch's unpacking below
+    assert sorted(ours) == sorted(shapes)
     state = load_file(str(tmp_path / "w4" / "model.safetensors"))
     assert not any(k.endswith(("input_scale", "weight_zero_point")) for k in state)  # dynamic inputs, symmetric
     for name, w in ours.items():

@@ -9,7 +9,7 @@ import transformers
 from safetensors.torch import load_file
 
 import quantkit
-from quantkit.float_checkpoint import write
+from quantkit.float_checkpoint import read_dequantized, write
 from quantkit.float_codecs.fixed_grid import fixed_grid
 from quantkit.quantizers.gptq_float import gptq_on_float_grid
 from quantkit.runtime.float_linear import FloatLinear
@@ -84,8 +84,9 @@ def test_write_gptq_keeps_the_format_scales_and_compressed_tensors_reads_it(tmp_
         write(tiny_model("llama", hidden_size=128, intermediate_size=256), preset(name), tmp_path / f"rtn-{name}")
         # the range search unweighted: GPTQ fixes exactly round-to-nearest's scales (the weighted default's
         # scales are other candidates of the same search: test_float_scale_search)
-        ours = write(tiny_model("llama", hidden_size=128, intermediate_size=256), preset(name), tmp_path / name,
-                     method="gptq", calibration=cal, options={"block_size": 32, "weighted_search": False})
+        write(tiny_model("llama", hidden_size=128, intermediate_size=256), preset(name), tmp_path / name,
+              method="gptq", calibration=cal, options={"block_size": 32, "weighted_search": False})
+        ours = read_dequantized(tmp_path / name)
         assert json.loads((tmp_path / name / "config.json").read_text())["quantization_config"]["format"] == \
             {"NVFP4A16": "nvfp4-pack-quantized", "FP8_BLOCK": "float-quantized", "MXFP8": "mxfp8-quantized"}[name]
         rtn, gptq = (load_file(str(tmp_path / d / "model.safetensors")) for d in (f"rtn-{name}", name))
@@ -211,10 +212,11 @@ def test_write_gptq_with_gptaq_runs_on_both_streams_and_compressed_tensors_reads
     model = lambda: tiny_model("llama", hidden_size=128, intermediate_size=256)  # noqa: E731
     # the range search unweighted, so that the scales depend on the weights alone (weighted, they follow each
     # run's own Hessians, which differ after layer 0)
-    plain = write(model(), preset("NVFP4A16"), tmp_path / "plain", method="gptq", calibration=cal,
-                  options={"block_size": 32, "weighted_search": False})
-    ours = write(model(), preset("NVFP4A16"), tmp_path / "gptaq", method="gptq", calibration=cal,
-                 options={"block_size": 32, "gptaq": True, "weighted_search": False})
+    write(model(), preset("NVFP4A16"), tmp_path / "plain", method="gptq", calibration=cal,
+          options={"block_size": 32, "weighted_search": False})
+    write(model(), preset("NVFP4A16"), tmp_path / "gptaq", method="gptq", calibration=cal,
+          options={"block_size": 32, "gptaq": True, "weighted_search": False})
+    plain, ours = read_dequantized(tmp_path / "plain"), read_dequantized(tmp_path / "gptaq")
     a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("plain", "gptaq"))
     assert all(torch.equal(a[k], b[k]) for k in a if "scale" in k)  # the format's scales, fixed
     # layer 0's q/k/v read the embeddings in both streams: their codes stay; the linears after them move
@@ -261,7 +263,9 @@ def test_gptqs_own_search_default_is_on_for_the_fp4_formats(tmp_path):
     KL on both texts with GPTQ; round-to-nearest keeps MXFP4's off): the default equals `mse=true`."""
     cal = torch.randint(3, 256, (4, 32), generator=torch.Generator().manual_seed(0))
     model = lambda: tiny_model("llama", hidden_size=128, intermediate_size=256)  # noqa: E731
-    got = {mse: write(model(), preset("MXFP4A16"), tmp_path / f"mx-{mse}", method="gptq", calibration=cal,
-                      options={"block_size": 32, **({} if mse is None else {"mse": mse})}) for mse in (None, True, False)}
+    for mse in (None, True, False):
+        write(model(), preset("MXFP4A16"), tmp_path / f"mx-{mse}", method="gptq", calibration=cal,
+              options={"block_size": 32, **({} if mse is None else {"mse": mse})})
+    got = {mse: read_dequantized(tmp_path / f"mx-{mse}") for mse in (None, True, False)}
     assert all(torch.equal(got[None][m], got[True][m]) for m in got[None])
     assert any(not torch.equal(got[None][m], got[False][m]) for m in got[None])

@@ -125,7 +125,7 @@ def test_refined_layers_are_no_worse_than_gptqs_start_on_held_out_rows_and_compr
     decompresses through compressed-tensors to exactly quantkit's weights."""
     from test_float_checkpoint import _decompressed_by_compressed_tensors
 
-    from quantkit.float_checkpoint import write
+    from quantkit.float_checkpoint import read_dequantized, write
     from quantkit.quantizers import signround
     from quantkit.scheme_presets import preset
 
@@ -139,9 +139,10 @@ def test_refined_layers_are_no_worse_than_gptqs_start_on_held_out_rows_and_compr
 
     monkeypatch.setattr(signround._LayerRun, "tune", logged)
     ids = torch.randint(0, 256, (64, 32), generator=torch.Generator().manual_seed(1))
-    gptq = write(_tiny_llama(), preset(name), tmp_path / "gptq", method="gptq", calibration=ids)
-    refined = write(_tiny_llama(), preset(name), tmp_path / "sr", method="gptq+signround", calibration=ids,
-                    options={"iters": 40, "eval_every": 4})
+    write(_tiny_llama(), preset(name), tmp_path / "gptq", method="gptq", calibration=ids)
+    write(_tiny_llama(), preset(name), tmp_path / "sr", method="gptq+signround", calibration=ids,
+          options={"iters": 40, "eval_every": 4})
+    gptq, refined = read_dequantized(tmp_path / "gptq"), read_dequantized(tmp_path / "sr")
     assert [e["layer"] for e in log] == [0, 1]
     assert all(e["held_out_best"] <= e["held_out_start"] for e in log)
     if name == "NVFP4A16":

@@ -41,6 +41,12 @@ class FloatResult:
             return w.group_scale.to(torch.float32) / w.global_scale
         return e8m0.decode(w.scale_codes)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The weight's [out_features, in_features]: its element codes' (E2M1) or values' (E4M3), one per element."""
+        w = self.weight
+        return tuple(int(d) for d in (w.codes if isinstance(w, (Nvfp4Weight, Mxfp4Weight)) else w.values).shape)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.weight.dequantize(dtype)
 
