@@ -274,42 +274,50 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
     from quantkit.run_recipe import RECIPE_FILE, non_default_options
 
     p = plan.float_preset
-    if comm is not None or args["target_bits"] is not None or args["target_size"]:
-        raise QuantkitError(f"--scheme {p.name} is written by one process with one scheme; drop --nproc and "
-                            "--target-bits/--target-size")
-    if layer_source is not None and plan.kv_cache is not None:
-        raise QuantkitError("--kv-cache-scheme observes the whole model's keys and values, which --streaming / "
-                            "--device-map do not hold; drop one of them")
+    if args["target_bits"] is not None or args["target_size"]:
+        raise QuantkitError(f"--scheme {p.name} writes one scheme for every linear; drop --target-bits/--target-size")
+    if (layer_source is not None or comm is not None) and plan.kv_cache is not None:
+        raise QuantkitError("--kv-cache-scheme observes the whole model's keys and values in one process, which "
+                            "--streaming / --device-map / --nproc do not give; drop one of them")
+    from quantkit.pipeline.distributed import leave_group, staging_store
     from quantkit.sources import in_memory_identity, parse_dtype, source_dtype
     from quantkit.streaming import bounded_heap
+
+    lead = comm is None or comm.rank == 0  # data-parallel: rank 0 alone touches the output
 
     save_dtype = parse_dtype(args["dtype"]) or source_dtype(hf_model.config)
     output = Path(args["output"]) if args["output"] is not None else \
         Path(f"{Path(base_name).name.lower()}-{plan.recipe.name}-{p.name.lower()}")
-    _check_output(output, args["overwrite"], args["resume"], source_ref)
+    _on_rank0(comm, lambda: _check_output(output, args["overwrite"], args["resume"], source_ref))
     stage = staging_dir(output).with_name(f".{output.name}.float-partial")  # the checkpoint while it is written
     # a full disk or unwritable place: one line (the finished layers kept for --resume where there are any)
     with writing_output(output, resume_hint=plan.recipe.needs_calibration or layer_source is not None):
-        shutil.rmtree(stage, ignore_errors=True)
-        stage.mkdir(parents=True)
+        if lead:
+            shutil.rmtree(stage, ignore_errors=True)
+            stage.mkdir(parents=True)
         ids = batch = store = None
         try:
             folder = stage / "checkpoint"
             if plan.calibration is not None:  # GPTQ, and FP8 / NVFP4's static input scales with either method
-                plan, ids, batch = _calibration_set(plan, hf_model, tokenizer)
+                plan, ids, batch = _calibration_set(plan, hf_model, tokenizer, comm)
             kv_scales = _kv_cache_scales(plan, hf_model, ids, batch, args["progress"])  # before GPTQ changes it
             if kv_scales is not None and not plan.recipe.needs_calibration and not p.calibrates_activations:
                 ids = None  # drawn for the KV-cache scales only
             # the calibration passes' finished layers, kept for --resume where the integer runs keep theirs
             source = in_memory_identity(hf_model) if isinstance(args["model"], nn.Module) else args["model"]
-            store = _progress_store(output, source, plan, save_dtype, batch, ids, args["resume"],
+            store = _progress_store(output, source, plan, save_dtype, batch, ids, args["resume"], comm,
                                     layout=f"compressed-tensors:{float_checkpoint.layout_of(p)}")
             with bounded_heap() if layer_source is not None else contextlib.nullcontext():  # as the integer runs
                 written = float_checkpoint.write(
                     hf_model, p, folder, ignore=plan.scheme.ignore, method=plan.recipe.name, calibration=ids,
-                    options=non_default_options(plan.recipe), batch_size=batch or 8, progress=bool(args["progress"]),
-                    kv_scales=kv_scales, save_dtype=save_dtype, max_shard_size=shard_bytes,
-                    device=_compute_device(args["device"], None), store=store, layer_source=layer_source)
+                    options=non_default_options(plan.recipe), batch_size=batch or 8,
+                    progress=bool(args["progress"]) and lead, kv_scales=kv_scales, save_dtype=save_dtype,
+                    max_shard_size=shard_bytes, device=_compute_device(args["device"], comm), store=store,
+                    layer_source=layer_source, comm=comm)
+            if not lead:  # rank 0 writes and returns the summary
+                leave_group()
+                return None
+            store = staging_store(store)
             if tokenizer is not None:
                 tokenizer.save_pretrained(folder)
             qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
@@ -324,18 +332,23 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
             replace_dir(folder, output)
             shutil.rmtree(store.folder, ignore_errors=True)  # written: nothing left to resume
         except BaseException:
-            if store is not None and not store.has_layers():
-                shutil.rmtree(store.folder, ignore_errors=True)  # nothing worth resuming: leave no trace
+            disk = staging_store(store) if store is not None else None
+            if disk is not None and not disk.has_layers():
+                shutil.rmtree(disk.folder, ignore_errors=True)  # nothing worth resuming: leave no trace
             raise
         finally:
-            shutil.rmtree(stage, ignore_errors=True)
+            if lead:
+                shutil.rmtree(stage, ignore_errors=True)
+    if comm is not None:
+        leave_group()
     del hf_model  # --eval loads the written checkpoint instead
     summarize = lambda metrics: {  # noqa: E731
         "output": str(output), "method": plan.recipe.name, "scheme": p.name, "format": "compressed-tensors",
         "layout": float_checkpoint.layout_of(p), "quantized_linears": len(shapes), "streaming": layer_source is not None,
         "seconds": round(time.perf_counter() - t0, 3), "peak_rss_mb": _rss_mb(), **({"metrics": metrics} if metrics else {})}
-    placed = {"placement": layer_source.placement()} if args["device_map"] is not None else {}
-    return _finished(args, output, plan, resolved, summarize, placed, None)
+    extra = {**({"placement": layer_source.placement()} if args["device_map"] is not None else {}),
+             **({"ranks": comm.world, "collective_bytes": dict(comm.traffic)} if comm is not None else {})}
+    return _finished(args, output, plan, resolved, summarize, extra, None)
 
 
 def _kv_cache_scales(plan, hf_model, input_ids, batch, progress):

@@ -143,7 +143,7 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
           ignore: Iterable[str] = DEFAULT_IGNORE, method: str = "rtn", calibration: Optional[torch.Tensor] = None,
           options: Optional[dict] = None, batch_size: int = 8, progress: bool = False,
           kv_scales=None, save_dtype: Optional[torch.dtype] = None, max_shard_size="5GB",
-          device: torch.device | str = "cpu", store=None, layer_source=None) -> dict[str, tuple]:
+          device: torch.device | str = "cpu", store=None, layer_source=None, comm=None) -> Optional[dict[str, tuple]]:
     """Quantize every nn.Linear of a transformers model not matching `ignore` (regexes) and save it to `output`
     (a new folder; written in a staging folder beside it and renamed, so a failure leaves nothing behind).
     MoE experts are quantized one linear per expert and projection (the names compressed-tensors and vLLM
@@ -166,8 +166,10 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     `model` is a skeleton whose decoder layers are read from its files one at a time) and a started `store`, every
     layer goes through the pipeline (round-to-nearest as its step `quantizers.rtn_float.FloatRTN`) and the
     checkpoint is assembled from the store layer by layer (`_write_streamed`), so memory holds one layer, not the
-    model; the same bytes as in memory. Returns {module name: weight shape} of the quantized linears (what they
-    dequantize to: `read_dequantized(output)`)."""
+    model; the same bytes as in memory. With a `comm` of several data-parallel ranks (quantkit.pipeline.distributed;
+    `store` then the run's `ReplicatedStore`), GPTQ's calibration is shared among them as on the integer path and
+    rank 0 alone writes, the same bytes as one process. Returns {module name: weight shape} of the quantized
+    linears (what they dequantize to: `read_dequantized(output)`); None on the ranks that do not write."""
     out = Path(output)
     if out.exists():
         raise QuantkitError(f"output folder {out} already exists; choose a new folder")
@@ -190,6 +192,8 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
                             "calibration token ids with --method rtn as with gptq")
     if layer_source is not None:
         _check_streamable(model, preset, first, method, store)
+    if comm is not None and comm.world > 1:
+        _check_data_parallel(model, preset, first, method)
     check_shapes(model, preset, tuple(ignore))
     if first is not None:  # exact in full precision: everything below sees the transformed model
         float_passes.run_pass(model, preset, first, pipeline_linears(model, tuple(ignore))[1], calibration,
@@ -202,18 +206,23 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
         if preset.calibrates_activations and not scales_from_gptq else {}
     if integer:
         results = _integer_results(model, preset, tuple(ignore), method, calibration, options, batch_size,
-                                   progress, device, store, layer_source)
+                                   progress, device, store, layer_source, comm)
     elif method in ("gptq", "gptq+signround"):
         results = _gptq_results(model, preset, tuple(ignore), calibration, options, batch_size, progress,
                                 record_input_absmax=scales_from_gptq, device=device, store=store,
-                                refine=method == "gptq+signround", layer_source=layer_source)
-        if scales_from_gptq:
-            absmax = {n: r.input_absmax for n, r in _results(results, store) if r.input_absmax is not None}
-            input_scales = _input_scales(model, preset, tuple(ignore), absmax=absmax)
+                                refine=method == "gptq+signround", layer_source=layer_source, comm=comm)
     elif layer_source is not None:  # streamed round-to-nearest: as a pipeline step, layer by layer
         results = _rtn_results(model, preset, tuple(ignore), options, progress, device, store, layer_source)
     else:
         results = None
+    if comm is not None and comm.rank != 0:
+        return None  # rank 0 writes
+    from quantkit.pipeline.distributed import staging_store
+
+    store = staging_store(store)  # rank 0's own store, read without collectives
+    if scales_from_gptq:
+        absmax = {n: r.input_absmax for n, r in _results(results, store) if r.input_absmax is not None}
+        input_scales = _input_scales(model, preset, tuple(ignore), absmax=absmax)
     with contextlib.ExitStack() as scratch:
         if layer_source is not None:
             layout, load, written, kept, rename = scratch.enter_context(
@@ -316,7 +325,8 @@ def pipeline_linears(model: torch.nn.Module, patterns: tuple[str, ...]):
 
 def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...], method: str,
                      calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool,
-                     device: torch.device | str = "cpu", store=None, layer_source=None) -> Optional[dict]:
+                     device: torch.device | str = "cpu", store=None, layer_source=None,
+                     comm=None) -> Optional[dict]:
     """{linear name: QuantizedWeight} of the integer recipe `method` (rtn, gptq, awq, awq,gptq: with `options`,
     as on the integer path) on the preset's integer weight grid (W4AFP8: 4-bit symmetric groups of 128), through
     quantkit's pipeline."""
@@ -340,14 +350,14 @@ def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tup
     results = quantize_model(model, adapter, recipe, dict.fromkeys(names, scheme),
                              calibration if recipe.needs_calibration else None, batch_size=batch_size,
                              progress=progress, device=device, store=store, layer_source=layer_source,
-                             release_layers=layer_source is not None)
+                             release_layers=layer_source is not None, comm=comm)
     return _kept_results(results, store, layer_source)
 
 
 def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
                   calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool,
                   record_input_absmax: bool = False, device: torch.device | str = "cpu", store=None,
-                  refine: bool = False, layer_source=None) -> Optional[dict]:
+                  refine: bool = False, layer_source=None, comm=None) -> Optional[dict]:
     """{linear name: FloatResult} of GPTQ on the preset's grid, from quantkit's calibration pipeline (each
     with the absmax of the inputs GPTQ observed, `input_absmax`, when `record_input_absmax`); with `refine`,
     each layer's results then tuned together by SignRound (its options among `options`)."""
@@ -368,7 +378,7 @@ def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[
     schemes = dict.fromkeys(names, LinearScheme(bits=preset.weights.bits, group_size=-1, sym=True))
     results = quantize_model(model, adapter, step, schemes, calibration, batch_size=batch_size, progress=progress,
                              device=device, store=store, layer_source=layer_source,
-                             release_layers=layer_source is not None)
+                             release_layers=layer_source is not None, comm=comm)
     return _kept_results(results, store, layer_source)
 
 
@@ -387,10 +397,16 @@ def _rtn_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[s
 
 def _kept_results(results: dict, store, layer_source) -> Optional[dict]:
     """The pipeline's results as the writer reads them: from the store where there is one (a resumed run's
-    restored layers among them); None when streamed (`_results` reads them layer by layer)."""
+    restored layers among them; a data-parallel run's on rank 0, None on the others, which do not write); None
+    when streamed (`_results` reads them layer by layer)."""
     if layer_source is not None:
         return None
-    return results if store is None else _stored_results(store)
+    if store is None:
+        return results
+    from quantkit.pipeline.distributed import staging_store
+
+    disk = staging_store(store)
+    return None if disk is None else _stored_results(disk)
 
 
 def _results(results: Optional[dict], store):
@@ -400,6 +416,22 @@ def _results(results: Optional[dict], store):
         return
     for i in store.done_layers():
         yield from store.load_layer(i).quantized.items()
+
+
+def _check_data_parallel(model: torch.nn.Module, preset: SchemePreset, first, method: str) -> None:
+    """Refuse, with the reason, what data-parallel ranks cannot share (they split GPTQ's calibration samples)."""
+    from quantkit.models import get_adapter
+
+    if first is not None:
+        raise QuantkitError(f"--nproc shares GPTQ's calibration among the ranks; the --method {first.name} pass runs "
+                            "in one process: drop --nproc, or use --method gptq")
+    if method == "rtn":
+        raise QuantkitError(f"--nproc shares calibration among the ranks; round-to-nearest onto --scheme {preset.name} "
+                            "has none to share: drop --nproc, or use --method gptq")
+    adapter = get_adapter(model)
+    if any(adapter.moe_blocks(layer) for layer in adapter.decoder_layers(model)):  # as the integer path refuses
+        raise QuantkitError("data-parallel calibration of Mixture-of-Experts models is not supported yet (each "
+                            "expert's routed tokens would need their own reduction); drop --nproc / torchrun")
 
 
 def _check_streamable(model: torch.nn.Module, preset: SchemePreset, first, method: str, store) -> None:

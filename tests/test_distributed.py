@@ -267,6 +267,49 @@ def test_two_gloo_ranks_write_the_single_process_bytes(variant, tiny_llama_dir, 
     assert tree_sha256(tmp_path / "two") == tree_sha256(tmp_path / "one")
 
 
+@pytest.fixture(scope="module")
+def llama_128_dir(tmp_path_factory, demo_dir) -> Path:
+    """2 random Llama layers whose every input size divides W4AFP8's groups of 128, with the demo tokenizer."""
+    from conftest import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("dp-llama-128"), demo_dir, hidden=128, intermediate=256)
+
+
+@pytest.mark.parametrize("scheme,method", [
+    ("NVFP4", "gptq"),  # static input global scales: each rank's input absmax, maximised over the ranks
+    ("FP8", "gptq"),
+    ("MXFP4A16", "gptq,signround"),  # SignRound's float refiner on shared calibration
+    ("W4AFP8", "gptq"),  # the integer steps
+])
+@pytest.mark.slow  # starts rank processes (each imports torch): seconds each on two cores
+def test_two_gloo_ranks_write_the_single_process_float_bytes(scheme, method, llama_128_dir, tmp_path):
+    """A float preset's GPTQ calibrated on two data-parallel ranks (each on its share of the samples, the
+    Hessians and input absmax reduced across them) writes the one-process checkpoint byte for byte."""
+    import quantkit
+
+    kwargs = dict(scheme=scheme, num_samples=16 if "signround" in method else 13, seq_len=24, dataset="lee",
+                  progress=False, **({"options": {"iters": 4, "eval_every": 2}} if "signround" in method else {}))
+    one = quantkit.quantize(str(llama_128_dir), method, output=tmp_path / "one", **kwargs)
+    two = quantkit.quantize(str(llama_128_dir), method, output=tmp_path / "two", nproc=2, **kwargs)
+    assert two.summary["ranks"] == 2 and "ranks" not in one.summary
+    assert tree_sha256(tmp_path / "two") == tree_sha256(tmp_path / "one")
+
+
+@pytest.mark.parametrize("method,words", [
+    ("rtn", "round-to-nearest onto --scheme FP8_DYNAMIC has none to share"),
+    ("smoothquant,gptq", "the --method smoothquant pass runs in one process"),
+])
+@pytest.mark.slow  # starts rank processes (each imports torch): seconds each on two cores
+def test_a_float_run_ranks_cannot_share_is_refused_in_one_line(method, words, tiny_llama_dir, tmp_path):
+    args = ["--model", tiny_llama_dir, "--scheme", "FP8_DYNAMIC", "--method", method, "--output", tmp_path / "out",
+            "--nproc", "2", *(["--num-samples", "4", "--seq-len", "16"] if method != "rtn" else [])]
+    refused = run_cli("quantize", *args)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    line, = refused.stderr.strip().splitlines()
+    assert words in line and "drop --nproc" in line
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.slow  # starts rank processes (each imports torch): seconds each on two cores
 def test_gptaq_interrupted_in_one_process_resumes_on_two_ranks(tiny_llama_dir, tmp_path, monkeypatch):
     """GPTAQ carries the unquantized model's stream from layer to layer: saved whole by rank 0 (one

@@ -201,7 +201,14 @@ class FloatGPTQ(Quantizer):
         it with the result, so a resumed run has it, and a refiner's result takes it over."""
         if self.input_absmax is None:
             return None
-        return self.input_absmax.get((self._ctx.prefix if self._ctx is not None else "") + name)
+        mine = self.input_absmax.get((self._ctx.prefix if self._ctx is not None else "") + name)
+        comm = self._ctx.samples.comm if self._ctx is not None and self._ctx.samples is not None else None
+        if comm is None or comm.world == 1:
+            return mine
+        # data-parallel: each rank saw its share of the samples; the maximum over all of them, on every rank
+        # (every rank quantizes the same linears in the same order, so the collectives pair up)
+        seen = torch.zeros(1, dtype=torch.float32) if mine is None else mine.reshape(1).clone()
+        return comm.max_(seen).reshape(())
 
     def end_layer(self, ctx: LayerContext) -> None:
         self._stats.clear()
