@@ -296,6 +296,7 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
             shutil.rmtree(stage, ignore_errors=True)
             stage.mkdir(parents=True)
         ids = batch = store = None
+        stats: dict = {}  # the pipeline's per-layer stats: SignRound's reports for the card
         try:
             folder = stage / "checkpoint"
             if plan.calibration is not None:  # GPTQ, and FP8 / NVFP4's static input scales with either method
@@ -313,7 +314,7 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
                     options=non_default_options(plan.recipe), batch_size=batch or 8,
                     progress=bool(args["progress"]) and lead, kv_scales=kv_scales, save_dtype=save_dtype,
                     max_shard_size=shard_bytes, device=_compute_device(args["device"], comm), store=store,
-                    layer_source=layer_source, comm=comm)
+                    layer_source=layer_source, comm=comm, stats=stats)
             if not lead:  # rank 0 writes and returns the summary
                 leave_group()
                 return None
@@ -326,7 +327,9 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
             # the options the writer took (not the defaults), with those a float grid sets for its refiner
             card_method = {**used, **float_checkpoint.float_defaults(plan.recipe.name, p),
                            **non_default_options(plan.recipe)}
-            (folder / "README.md").write_text(float_model_card(base_name, p, card_method, qcfg, shapes))
+            refinement = plan.recipe.refinement_report(stats)  # (summary, card section) or None, as for integer runs
+            (folder / "README.md").write_text(float_model_card(base_name, p, card_method, qcfg, shapes)
+                                              + (refinement[1] if refinement else ""))
             resolved = _resolved_run(args, plan, {}, batch, None, save_dtype, None)
             (folder / RECIPE_FILE).write_text(resolved.to_yaml())
             replace_dir(folder, output)
@@ -347,7 +350,8 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
         "layout": float_checkpoint.layout_of(p), "quantized_linears": len(shapes), "streaming": layer_source is not None,
         "seconds": round(time.perf_counter() - t0, 3), "peak_rss_mb": _rss_mb(), **({"metrics": metrics} if metrics else {})}
     extra = {**({"placement": layer_source.placement()} if args["device_map"] is not None else {}),
-             **({"ranks": comm.world, "collective_bytes": dict(comm.traffic)} if comm is not None else {})}
+             **({"ranks": comm.world, "collective_bytes": dict(comm.traffic)} if comm is not None else {}),
+             **({"refinement": refinement[0]} if refinement else {})}
     return _finished(args, output, plan, resolved, summarize, extra, None)
 
 

@@ -143,7 +143,8 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
           ignore: Iterable[str] = DEFAULT_IGNORE, method: str = "rtn", calibration: Optional[torch.Tensor] = None,
           options: Optional[dict] = None, batch_size: int = 8, progress: bool = False,
           kv_scales=None, save_dtype: Optional[torch.dtype] = None, max_shard_size="5GB",
-          device: torch.device | str = "cpu", store=None, layer_source=None, comm=None) -> Optional[dict[str, tuple]]:
+          device: torch.device | str = "cpu", store=None, layer_source=None, comm=None,
+          stats: Optional[dict] = None) -> Optional[dict[str, tuple]]:
     """Quantize every nn.Linear of a transformers model not matching `ignore` (regexes) and save it to `output`
     (a new folder; written in a staging folder beside it and renamed, so a failure leaves nothing behind).
     MoE experts are quantized one linear per expert and projection (the names compressed-tensors and vLLM
@@ -168,7 +169,8 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     checkpoint is assembled from the store layer by layer (`_write_streamed`), so memory holds one layer, not the
     model; the same bytes as in memory. With a `comm` of several data-parallel ranks (quantkit.pipeline.distributed;
     `store` then the run's `ReplicatedStore`), GPTQ's calibration is shared among them as on the integer path and
-    rank 0 alone writes, the same bytes as one process. Returns {module name: weight shape} of the quantized
+    rank 0 alone writes, the same bytes as one process. A dict as `stats` receives the pipeline's per-layer stats
+    (a refiner's reports among them: `Recipe.refinement_report`; a resumed run's restored layers included). Returns {module name: weight shape} of the quantized
     linears (what they dequantize to: `read_dequantized(output)`); None on the ranks that do not write."""
     out = Path(output)
     if out.exists():
@@ -206,11 +208,12 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
         if preset.calibrates_activations and not scales_from_gptq else {}
     if integer:
         results = _integer_results(model, preset, tuple(ignore), method, calibration, options, batch_size,
-                                   progress, device, store, layer_source, comm)
+                                   progress, device, store, layer_source, comm, stats)
     elif method in ("gptq", "gptq+signround"):
         results = _gptq_results(model, preset, tuple(ignore), calibration, options, batch_size, progress,
                                 record_input_absmax=scales_from_gptq, device=device, store=store,
-                                refine=method == "gptq+signround", layer_source=layer_source, comm=comm)
+                                refine=method == "gptq+signround", layer_source=layer_source, comm=comm,
+                                stats=stats)
     elif layer_source is not None:  # streamed round-to-nearest: as a pipeline step, layer by layer
         results = _rtn_results(model, preset, tuple(ignore), options, progress, device, store, layer_source)
     else:
@@ -326,7 +329,7 @@ def pipeline_linears(model: torch.nn.Module, patterns: tuple[str, ...]):
 def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...], method: str,
                      calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool,
                      device: torch.device | str = "cpu", store=None, layer_source=None,
-                     comm=None) -> Optional[dict]:
+                     comm=None, stats: Optional[dict] = None) -> Optional[dict]:
     """{linear name: QuantizedWeight} of the integer recipe `method` (rtn, gptq, awq, awq,gptq: with `options`,
     as on the integer path) on the preset's integer weight grid (W4AFP8: 4-bit symmetric groups of 128), through
     quantkit's pipeline."""
@@ -350,14 +353,14 @@ def _integer_results(model: torch.nn.Module, preset: SchemePreset, patterns: tup
     results = quantize_model(model, adapter, recipe, dict.fromkeys(names, scheme),
                              calibration if recipe.needs_calibration else None, batch_size=batch_size,
                              progress=progress, device=device, store=store, layer_source=layer_source,
-                             release_layers=layer_source is not None, comm=comm)
+                             release_layers=layer_source is not None, comm=comm, stats=stats)
     return _kept_results(results, store, layer_source)
 
 
 def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
                   calibration: Optional[torch.Tensor], options: dict, batch_size: int, progress: bool,
                   record_input_absmax: bool = False, device: torch.device | str = "cpu", store=None,
-                  refine: bool = False, layer_source=None, comm=None) -> Optional[dict]:
+                  refine: bool = False, layer_source=None, comm=None, stats: Optional[dict] = None) -> Optional[dict]:
     """{linear name: FloatResult} of GPTQ on the preset's grid, from quantkit's calibration pipeline (each
     with the absmax of the inputs GPTQ observed, `input_absmax`, when `record_input_absmax`); with `refine`,
     each layer's results then tuned together by SignRound (its options among `options`)."""
@@ -378,7 +381,7 @@ def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[
     schemes = dict.fromkeys(names, LinearScheme(bits=preset.weights.bits, group_size=-1, sym=True))
     results = quantize_model(model, adapter, step, schemes, calibration, batch_size=batch_size, progress=progress,
                              device=device, store=store, layer_source=layer_source,
-                             release_layers=layer_source is not None, comm=comm)
+                             release_layers=layer_source is not None, comm=comm, stats=stats)
     return _kept_results(results, store, layer_source)
 
 

@@ -102,11 +102,15 @@ def test_the_card_names_the_options_a_float_grid_sets_for_signround(tmp_path, ti
     """The float defaults (scales kept, scaled steps) differ from the integer recipe's: the card says them."""
     import quantkit
 
-    quantkit.quantize(str(tiny_llama_dir), "gptq,signround", scheme="NVFP4A16", output=tmp_path / "sr",
-                      num_samples=16, seq_len=16, options={"iters": 2}, progress=False)
+    result = quantkit.quantize(str(tiny_llama_dir), "gptq,signround", scheme="NVFP4A16", output=tmp_path / "sr",
+                               num_samples=16, seq_len=16, options={"iters": 2}, progress=False)
     card = (tmp_path / "sr" / "README.md").read_text()
     assert "- method: `gptq+signround`" in card
     assert "- scale_range: `[1.0, 1.0]`" in card and "- step_rule: `scaled`" in card and "- iters: `2`" in card
+    # the refiner's per-layer choices, as on an integer card (the layer stats the pipeline kept)
+    report = result.summary["refinement"]["signround"]
+    assert report["layers"] == 2 and sum(report["kept"].values()) == 2 and report["mean_held_out_change"] <= 0
+    assert "## Refinement" in card and "- signround (2 layers): kept the tuned state in" in card
 
 
 def _tiny_llama():
