@@ -449,8 +449,10 @@ def _check_streamable(model: torch.nn.Module, preset: SchemePreset, first, metho
                             "fuse the experts' per-expert tensors); pass --no-streaming (the model is then held in "
                             "memory)")
     if first is not None:
-        raise QuantkitError(f"--streaming reads one layer at a time, and --method {first.name} transforms the whole "
-                            "model before it is rounded; use --method rtn or gptq, or drop --streaming")
+        is_default = DEFAULT_METHODS.get(preset.name, ("",))[0] == first.name and method == "rtn"
+        default = f" (the default for --scheme {preset.name})" if is_default else ""
+        raise QuantkitError(f"--streaming reads one layer at a time, and --method {first.name}{default} transforms the "
+                            "whole model before it is rounded; use --method rtn or gptq, or drop --streaming")
     if method == "rtn" and preset.calibrates_activations:
         raise QuantkitError(f"--scheme {preset.name} with --method rtn measures its static input scales on a forward "
                             "of the whole model, which --streaming does not hold; use --method gptq (its scales "

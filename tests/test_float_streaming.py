@@ -91,6 +91,7 @@ def test_a_streamed_float_run_resumes_to_the_same_bytes(tmp_path, monkeypatch, t
 
 @pytest.mark.parametrize("scheme,method,words", [
     ("NVFP4", "smoothquant,gptq", "--method smoothquant transforms the whole model"),
+    ("NVFP4", None, r"--method smoothquant \(the default for --scheme NVFP4\) transforms"),
     ("FP8", "rtn", "static input scales on a forward of the whole model"),
 ])
 def test_what_a_streamed_float_run_cannot_do_is_refused(tmp_path, tiny_llama_dir, scheme, method, words):
