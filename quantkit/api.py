@@ -468,9 +468,6 @@ def _expert_policy(plan, adapter, hf_model, layer_source, comm=None):
     if comm is not None:
         raise QuantkitError("data-parallel calibration of Mixture-of-Experts models is not supported yet (each "
                             "expert's routed tokens would need their own reduction); drop --nproc / torchrun")
-    if layer_source is not None:
-        raise QuantkitError("streaming Mixture-of-Experts models is not supported yet; pass --no-streaming "
-                            "(the model is then held in memory)")
     if plan.recipe.needs_reference_inputs:
         raise QuantkitError(f"method {plan.recipe.name!r} compares each linear's input with the unquantized "
                             "model's, which routed experts do not share (the routing differs); drop gptaq")

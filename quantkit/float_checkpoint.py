@@ -439,15 +439,8 @@ def _check_data_parallel(model: torch.nn.Module, preset: SchemePreset, first, me
 
 def _check_streamable(model: torch.nn.Module, preset: SchemePreset, first, method: str, store) -> None:
     """Refuse, with the reason, what a streamed float run cannot do (the model is read one layer at a time)."""
-    from quantkit.models import get_adapter
-
     if store is None:
         raise ValueError("a streamed float run keeps its layers in a started progress store; pass store=")
-    adapter = get_adapter(model)
-    if any(adapter.moe_blocks(layer) for layer in adapter.decoder_layers(model)):  # as the integer path refuses
-        raise QuantkitError("streaming Mixture-of-Experts models is not supported yet (the streamed reader does not "
-                            "fuse the experts' per-expert tensors); pass --no-streaming (the model is then held in "
-                            "memory)")
     if first is not None:
         is_default = DEFAULT_METHODS.get(preset.name, ("",))[0] == first.name and method == "rtn"
         default = f" (the default for --scheme {preset.name})" if is_default else ""

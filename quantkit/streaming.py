@@ -127,15 +127,56 @@ class LazyLayers:
     def _read_layer(self, index: int, device) -> None:
         from accelerate.utils import set_module_tensor_to_device
 
+        from quantkit.models import get_adapter
+
         layer_prefix = f"{self.prefix}.{index}."
-        tensors = self._read(lambda k: k.startswith(layer_prefix), copy=True)
+        adapter = get_adapter(self.model)
+        # under transformers' own names (Mixtral's checkpoints say block_sparse_moe.gate and experts.N.w1)
+        tensors = {adapter.model_name(k): v for k, v in self._read(lambda k: k.startswith(layer_prefix), copy=True).items()}
         layer = self.model.get_submodule(f"{self.prefix}.{index}")
+        tensors.update(self._fused_experts(index, layer, tensors, adapter))
         expected = {f"{layer_prefix}{n}" for n, _ in layer.named_parameters()}
         missing = sorted(expected - set(tensors))
         if missing:
             raise QuantkitError(f"the model folder is missing tensor {missing[0]}")
         for key, value in tensors.items():
             set_module_tensor_to_device(self.model, key, device, value=value)
+
+    def _fused_experts(self, index: int, layer, tensors: dict[str, torch.Tensor], adapter) -> dict[str, torch.Tensor]:
+        """Layer `index`'s fused routed-experts parameters (transformers' gate_up_proj [E, 2I, H], down_proj
+        [E, H, I]) built from the per-expert tensors checkpoints hold (``experts.{e}.gate_proj.weight`` under
+        transformers' names), which `tensors` gives up: what `from_pretrained` fuses on loading. Each expert's
+        tensor is copied into the `models.experts.RoutedExperts` view of its rows, the layout the calibration
+        pipeline and the writers use, so the fusion is theirs inverted."""
+        from quantkit.models.experts import PROJECTIONS, RoutedExperts
+
+        out = {}
+        for block in adapter.moe_blocks(layer):
+            fused = layer.get_submodule(block.experts)
+            names = {p: f"{self.prefix}.{index}.{block.experts}.{p}" for p in ("gate_up_proj", "down_proj")}
+            if all(n in tensors for n in names.values()):
+                continue  # stored fused (a checkpoint transformers saved in its own layout)
+            built = {p: torch.empty(tuple(getattr(fused, p).shape), dtype=self.dtype) for p in names}
+            holder = torch.nn.Module()
+            holder.gate_up_proj, holder.down_proj, holder.act_fn = built["gate_up_proj"], built["down_proj"], \
+                fused.act_fn
+            for attr in ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm"):
+                if hasattr(fused, attr):
+                    setattr(holder, attr, getattr(fused, attr))
+            views = RoutedExperts.from_fused(holder)  # views of `built`'s rows, checked to be the plain form
+            for e, expert in enumerate(views):
+                for p in PROJECTIONS:
+                    key = f"{self.prefix}.{index}.{block.experts}.{e}.{p}.weight"
+                    if key not in tensors:
+                        raise QuantkitError(f"the model folder is missing tensor "
+                                            f"{adapter.checkpoint_name(key)}")
+                    view = getattr(expert, p).weight.data
+                    if tuple(tensors[key].shape) != tuple(view.shape):
+                        raise QuantkitError(f"{key} has shape {tuple(tensors[key].shape)}, expected "
+                                            f"{tuple(view.shape)} from the config; the checkpoint does not match it")
+                    view.copy_(tensors.pop(key))
+            out.update({names[p]: t for p, t in built.items()})
+        return out
 
     def release(self, index: int) -> None:
         from accelerate.utils import set_module_tensor_to_device

@@ -1,7 +1,8 @@
 """A float preset streamed from the model's files (`--streaming`: one decoder layer in memory at a time, #47)
 writes the bytes the in-memory run writes: round-to-nearest as a pipeline step (`quantizers.rtn_float`), GPTQ
-(with the static input scales its pass observes), W4AFP8's integer steps, a MoE model's experts; a streamed
-run stopped after a layer resumes to the same bytes; what it cannot do is refused in one line."""
+(with the static input scales its pass observes), W4AFP8's integer steps, a MoE model's experts (fused from their
+per-expert tensors by the streamed reader); a streamed run stopped after a layer resumes to the same bytes; what it
+cannot do is refused in one line."""
 import hashlib
 from pathlib import Path
 
@@ -57,24 +58,29 @@ def test_a_streamed_float_run_in_shards_writes_the_in_memory_shards(tmp_path, ti
     assert tree == _tree(tmp_path / "memory")
 
 
-def test_a_streamed_float_moe_is_refused_as_the_integer_path_refuses_it(tmp_path, demo_dir):
-    """A Qwen3-MoE (experts fused in transformers, per expert in its files): one line, nothing written."""
+def _tiny_qwen3_moe(folder: Path, demo_dir: Path, hidden: int = 64) -> Path:
     import torch
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    cfg = transformers.Qwen3MoeConfig(hidden_size=hidden, intermediate_size=128, moe_intermediate_size=32,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       num_experts=4, num_experts_per_tok=2, vocab_size=49152, head_dim=16,
                                       max_position_embeddings=256)
-    src = tmp_path / "moe"
-    transformers.AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(src)
-    transformers.AutoTokenizer.from_pretrained(demo_dir).save_pretrained(src)
-    with pytest.raises(QuantkitError, match="streaming Mixture-of-Experts models is not supported yet") as err:
-        quantkit.quantize(str(src), "rtn", scheme="FP8_DYNAMIC", output=tmp_path / "out", streaming=True,
-                          progress=False)
-    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["moe"]
+    transformers.AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(demo_dir).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("scheme,method", [("FP8_DYNAMIC", "rtn"), ("NVFP4A16", "gptq")])
+def test_a_streamed_float_moe_writes_the_in_memory_bytes(tmp_path, demo_dir, scheme, method):
+    """A Qwen3-MoE's experts: fused in transformers, per expert in its files, fused again by the streamed reader
+    one layer at a time (`streaming.LazyLayers`), calibrated per expert and written per expert."""
+    src = _tiny_qwen3_moe(tmp_path / "moe", demo_dir)
+    cal = CALIBRATION if method != "rtn" else dict(progress=False)
+    for name, streaming in (("memory", False), ("streamed", True)):
+        quantkit.quantize(str(src), method, scheme=scheme, output=tmp_path / name, streaming=streaming, **cal)
+    assert _tree(tmp_path / "streamed") == _tree(tmp_path / "memory")
 
 
 def test_a_streamed_float_run_resumes_to_the_same_bytes(tmp_path, monkeypatch, tiny_llama_dir):

@@ -528,6 +528,23 @@ def test_smoothquant_smoothing_reaches_the_router_and_keeps_the_function(family)
         torch.testing.assert_close(model(calib).logits, before, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_streamed_moe_run_writes_the_in_memory_bytes(model_dir, tmp_path, family):
+    """`--streaming` reads each layer's per-expert tensors (named as the family's checkpoints name them, e.g.
+    Mixtral's block_sparse_moe.experts.N.w1) and fuses them as from_pretrained does (`streaming.LazyLayers`);
+    GPTQ per expert on its routed tokens then writes what the in-memory run writes, token counts included."""
+    args = dict(num_samples=4, seq_len=32, progress=False, bits=4, group_size=32)
+    src = str(model_dir(family))
+    memory = quantkit.quantize(src, "gptq", output=tmp_path / "memory", streaming=False, **args)
+    streamed = quantkit.quantize(src, "gptq", output=tmp_path / "streamed", streaming=True, **args)
+    assert streamed["streaming"] and not memory["streaming"]
+    assert streamed["moe"]["layers"] == memory["moe"]["layers"]
+    files = sorted(p.name for p in (tmp_path / "memory").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "streamed").iterdir())
+    for f in files:
+        assert (tmp_path / "streamed" / f).read_bytes() == (tmp_path / "memory" / f).read_bytes(), f
+
+
 def test_moe_resume_restores_experts_and_their_counts_byte_for_byte(model_dir, tmp_path, monkeypatch):
     """Interrupted after layer 0: the resumed run restores that layer's per-expert results and token
     counts from the progress record and writes the same bytes as an uninterrupted run."""
