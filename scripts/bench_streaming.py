@@ -9,6 +9,7 @@ time) and once with `--no-streaming` (the whole model in memory). Both must writ
 
     python scripts/bench_streaming.py                      # ~2.9 GB fp32 model, RTN w4g64
     python scripts/bench_streaming.py --layers 20 --json   # smaller
+    python scripts/bench_streaming.py --moe-experts 16 --layers 12   # a random Qwen3-MoE (per-expert tensors)
 
 The tests (tests/test_robustness.py) import `make_random_llama` and `quantize_cli` from here.
 """
@@ -119,6 +120,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=4096)
     ap.add_argument("--method", default="rtn")
+    ap.add_argument("--moe-experts", type=int, default=0,
+                    help="a random Qwen3-MoE with this many experts per layer (moe intermediate = --intermediate / 4, "
+                         "top-2), written by scripts/moe_models.py, instead of the dense Llama")
     ap.add_argument("--extra", default="", help="more quantize flags, e.g. '--num-samples 8 --seq-len 128'")
     ap.add_argument("--workdir", default=None, help="where the model and outputs go (default: a temp folder)")
     ap.add_argument("--keep", action="store_true", help="keep the generated model and outputs")
@@ -133,8 +137,16 @@ def main() -> None:
     try:
         t0 = time.perf_counter()
         model = work / "model"
-        size = make_random_llama(model, layers=args.layers, hidden=args.hidden, intermediate=args.intermediate,
-                                 tokenizer_from=Path(demo_model_dir()))
+        if args.moe_experts:
+            from moe_models import random_qwen3_moe
+
+            random_qwen3_moe(model, tokenizer_from=Path(demo_model_dir()), layers=args.layers,
+                             experts=args.moe_experts, hidden=args.hidden, moe_intermediate=args.intermediate // 4,
+                             heads=16, kv_heads=4)
+            size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+        else:
+            size = make_random_llama(model, layers=args.layers, hidden=args.hidden, intermediate=args.intermediate,
+                                     tokenizer_from=Path(demo_model_dir()))
         gen_s = time.perf_counter() - t0
         rows = {}
         for mode in ("streaming", "no-streaming"):
@@ -142,7 +154,8 @@ def main() -> None:
             shutil.rmtree(out, ignore_errors=True)
             rows[mode] = quantize_cli(model, out, "--method", args.method, f"--{mode}", *args.extra.split())
         same = tree_sha256(work / "out-streaming") == tree_sha256(work / "out-no-streaming")
-        result = {"weights_mb": round(size / 2**20, 1), "layers": args.layers, "generate_s": round(gen_s, 1),
+        result = {"weights_mb": round(size / 2**20, 1), "layers": args.layers, "moe_experts": args.moe_experts,
+                  "generate_s": round(gen_s, 1),
                   "method": args.method, "identical_output": same,
                   **{f"{m}_{k}": rows[m][k] for m in rows for k in ("peak_rss_mb", "seconds", "wall_s", "cpu_s")}}
         result["streaming_rss_fraction"] = round(result["streaming_peak_rss_mb"] / result["weights_mb"], 3)
