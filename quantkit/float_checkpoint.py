@@ -193,7 +193,7 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
         raise QuantkitError(f"--scheme {preset.name} stores input scales measured on calibration data; it needs "
                             "calibration token ids with --method rtn as with gptq")
     if layer_source is not None:
-        _check_streamable(model, preset, first, method, store)
+        _check_streamable(preset, first, method, store)
     if comm is not None and comm.world > 1:
         _check_data_parallel(model, preset, first, method)
     check_shapes(model, preset, tuple(ignore))
@@ -437,7 +437,7 @@ def _check_data_parallel(model: torch.nn.Module, preset: SchemePreset, first, me
                             "expert's routed tokens would need their own reduction); drop --nproc / torchrun")
 
 
-def _check_streamable(model: torch.nn.Module, preset: SchemePreset, first, method: str, store) -> None:
+def _check_streamable(preset: SchemePreset, first, method: str, store) -> None:
     """Refuse, with the reason, what a streamed float run cannot do (the model is read one layer at a time)."""
     if store is None:
         raise ValueError("a streamed float run keeps its layers in a started progress store; pass store=")
@@ -532,7 +532,7 @@ def _quantized_state(model: torch.nn.Module, preset: SchemePreset, patterns: tup
 def _streamed_tensors(out: Path, model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...], store,
                       input_scales: dict, save_dtype: Optional[torch.dtype]):
     """For the duration: (layout {checkpoint tensor name: (dtype, shape)}, load(name), {module name: weight shape},
-    the linears left in full precision) of a streamed run (`model` a skeleton holding only its non-layer tensors),
+    the linears left in full precision, rename: module name -> checkpoint name) of a streamed run (`model` a skeleton holding only its non-layer tensors),
     from the layers `store` holds: each layer's linears packed by the layout's packer, its other tensors cast to
     `save_dtype`, into a scratch file beside `out` one layer at a time (removed afterwards). The layout's order is
     the in-memory writer's (`_quantized_state`: the model's tensors with the quantized weights taken out, then each
