@@ -189,7 +189,8 @@ def quantize(
     kv_scales = _integer_kv_scales(plan, hf_model, input_ids, cal_batch, layer_source, comm, progress)
     resolved = _resolved_run(args, plan, schemes, cal_batch, experts, save_dtype,
                              allocation if allocated is not None else None)
-    with writing_output(output, lambda: rough_checkpoint_bytes(hf_model, schemes, save_dtype), resume_hint=True):
+    # the model bound now: the size is asked only inside the block, and `hf_model` is deleted after it
+    with writing_output(output, lambda m=hf_model: rough_checkpoint_bytes(m, schemes, save_dtype), resume_hint=True):
         store = _progress_store(output, in_memory_identity(hf_model) if in_memory else model, plan, save_dtype,
                                 cal_batch, input_ids, resume, comm)
         # what the pipeline runs comes from the resolved run (recipe.yaml says what ran); the rest is run-time
