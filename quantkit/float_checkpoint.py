@@ -227,9 +227,10 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
         absmax = {n: r.input_absmax for n, r in _results(results, store) if r.input_absmax is not None}
         input_scales = _input_scales(model, preset, tuple(ignore), absmax=absmax)
     with contextlib.ExitStack() as scratch:
-        if layer_source is not None:
+        if store is not None and (layer_source is not None or integer or method in ("gptq", "gptq+signround")):
+            # the pipeline kept every layer's results in the store: assembled from there one layer at a time
             layout, load, written, kept, rename = scratch.enter_context(
-                _streamed_tensors(out, model, preset, tuple(ignore), store, input_scales, save_dtype))
+                _tensors_from_store(out, model, preset, tuple(ignore), store, input_scales, save_dtype))
         else:
             layout, load, written, kept, rename = _in_memory_tensors(model, preset, tuple(ignore), results,
                                                                      options.get("mse"), input_scales, save_dtype)
@@ -399,17 +400,10 @@ def _rtn_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[s
 
 
 def _kept_results(results: dict, store, layer_source) -> Optional[dict]:
-    """The pipeline's results as the writer reads them: from the store where there is one (a resumed run's
-    restored layers among them; a data-parallel run's on rank 0, None on the others, which do not write); None
-    when streamed (`_results` reads them layer by layer)."""
-    if layer_source is not None:
-        return None
-    if store is None:
-        return results
-    from quantkit.pipeline.distributed import staging_store
-
-    disk = staging_store(store)
-    return None if disk is None else _stored_results(disk)
+    """The pipeline's results as the writer reads them: None where there is a store (the writer then reads each
+    layer's from there, a resumed run's restored layers among them: `_results`, `_tensors_from_store`), so no more
+    than one layer's results are in memory at once; else the pipeline's own."""
+    return results if store is None else None
 
 
 def _results(results: Optional[dict], store):
@@ -479,12 +473,6 @@ def float_signround(options: dict):
     return SignRoundRefiner(**{**FLOAT_SIGNROUND_DEFAULTS, **own})
 
 
-def _stored_results(store) -> dict:
-    """{linear name: result} of every layer a calibration pass saved in `store` (where the pipeline keeps its
-    results when it has a store)."""
-    return {name: r for i in store.done_layers() for name, r in store.load_layer(i).quantized.items()}
-
-
 def _quantized_state(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...],
                      full_precision: set[str], results: Optional[dict] = None, search: Optional[bool] = None,
                      input_scales: Optional[dict] = None, save_dtype: Optional[torch.dtype] = None
@@ -529,14 +517,16 @@ def _quantized_state(model: torch.nn.Module, preset: SchemePreset, patterns: tup
 
 
 @contextlib.contextmanager
-def _streamed_tensors(out: Path, model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...], store,
-                      input_scales: dict, save_dtype: Optional[torch.dtype]):
+def _tensors_from_store(out: Path, model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...], store,
+                        input_scales: dict, save_dtype: Optional[torch.dtype]):
     """For the duration: (layout {checkpoint tensor name: (dtype, shape)}, load(name), {module name: weight shape},
-    the linears left in full precision, rename: module name -> checkpoint name) of a streamed run (`model` a skeleton holding only its non-layer tensors),
-    from the layers `store` holds: each layer's linears packed by the layout's packer, its other tensors cast to
-    `save_dtype`, into a scratch file beside `out` one layer at a time (removed afterwards). The layout's order is
-    the in-memory writer's (`_quantized_state`: the model's tensors with the quantized weights taken out, then each
-    quantized linear's packed tensors), so the shards are byte-identical to it."""
+    the linears left in full precision, rename: module name -> checkpoint name) of a run whose pipeline kept every
+    layer in `store` (a streamed `model` is a skeleton holding only its non-layer tensors; a model in memory gives
+    those too): each layer's linears packed by the layout's packer, its other tensors cast to `save_dtype` (None:
+    the model's dtype), into a scratch file beside `out` one layer at a time (removed afterwards), so no more than
+    one layer's results are in memory. The layout's order is the in-memory writer's (`_quantized_state`: the
+    model's tensors with the quantized weights taken out, then each quantized linear's packed tensors), so the
+    shards are byte-identical to what it would write."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -549,6 +539,10 @@ def _streamed_tensors(out: Path, model: torch.nn.Module, preset: SchemePreset, p
         linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     skipped = {n for n in linears if n in full_precision or any(re.search(p, n) for p in patterns)}
     quantized = [n for n in linears if n not in skipped]
+
+    def own_dtype(key: str) -> Optional[torch.dtype]:  # a record's tensor as the model holds it, or save_dtype
+        return save_dtype if save_dtype is not None else skeleton[key][0] if key in skeleton else None
+
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.layers.", dir=out.parent))
     try:
@@ -566,9 +560,9 @@ def _streamed_tensors(out: Path, model: torch.nn.Module, preset: SchemePreset, p
                 packed_names[name] = [f"{name}.{k}" for k in packed]
                 tensors.update({f"{name}.{k}": t.contiguous() for k, t in packed.items()})
                 if r.bias is not None:
-                    tensors[f"{name}.bias"] = _cast(r.bias, save_dtype)
+                    tensors[f"{name}.bias"] = _cast(r.bias, own_dtype(f"{name}.bias"))
                 shapes[name] = tuple(r.shape)
-            tensors.update({k: _cast(v, save_dtype) for k, v in record.other.items()})
+            tensors.update({k: _cast(v, own_dtype(k)) for k, v in record.other.items()})
             path = scratch / f"layer-{i:05d}.safetensors"
             save_file(tensors, str(path))
             where.update({k: (path, t.dtype, tuple(t.shape)) for k, t in tensors.items()})
