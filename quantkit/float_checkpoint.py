@@ -163,15 +163,17 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     files sharded at `max_shard_size` as `save_pretrained` shards them; the calibration passes run each layer on
     `device`. With a started `store` (quantkit.progress.ProgressStore) the calibration passes save each
     finished layer there (a transform pass in its child store "pass") and restore those already saved, so an
-    interrupted run resumed with the same store writes the same bytes. With a `layer_source` (quantkit.streaming:
-    `model` is a skeleton whose decoder layers are read from its files one at a time) and a started `store`, every
-    layer goes through the pipeline (round-to-nearest as its step `quantizers.rtn_float.FloatRTN`) and the
-    checkpoint is assembled from the store layer by layer (`_write_streamed`), so memory holds one layer, not the
-    model; the same bytes as in memory. With a `comm` of several data-parallel ranks (quantkit.pipeline.distributed;
-    `store` then the run's `ReplicatedStore`), GPTQ's calibration is shared among them as on the integer path and
-    rank 0 alone writes, the same bytes as one process. A dict as `stats` receives the pipeline's per-layer stats
-    (a refiner's reports among them: `Recipe.refinement_report`; a resumed run's restored layers included). Returns {module name: weight shape} of the quantized
-    linears (what they dequantize to: `read_dequantized(output)`); None on the ranks that do not write."""
+    interrupted run resumed with the same store writes the same bytes; the checkpoint of a run whose pipeline kept
+    a store is assembled from it one layer at a time (`_tensors_from_store`). With a `layer_source`
+    (quantkit.streaming: `model` is a skeleton whose decoder layers are read from its files one at a time) and a
+    started `store`, every layer goes through the pipeline (round-to-nearest as its step
+    `quantizers.rtn_float.FloatRTN`), so memory holds one layer, not the model; the same bytes as in memory. With a
+    `comm` of several data-parallel ranks (quantkit.pipeline.distributed; `store` then the run's
+    `ReplicatedStore`), GPTQ's calibration is shared among them as on the integer path and rank 0 alone writes,
+    the same bytes as one process. A dict as `stats` receives the pipeline's per-layer stats (a refiner's reports
+    among them: `Recipe.refinement_report`; a resumed run's restored layers included). Returns {module name:
+    weight shape} of the quantized linears (what they dequantize to: `read_dequantized(output)`); None on the
+    ranks that do not write."""
     out = Path(output)
     if out.exists():
         raise QuantkitError(f"output folder {out} already exists; choose a new folder")
