@@ -348,7 +348,8 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
     del hf_model  # --eval loads the written checkpoint instead
     summarize = lambda metrics: {  # noqa: E731
         "output": str(output), "method": plan.recipe.name, "scheme": p.name, "format": "compressed-tensors",
-        "layout": float_checkpoint.layout_of(p), "quantized_linears": len(shapes), "streaming": layer_source is not None,
+        "layout": float_checkpoint.layout_of(p), "quantized_linears": len(shapes),
+        "streaming": layer_source is not None,
         "seconds": round(time.perf_counter() - t0, 3), "peak_rss_mb": _rss_mb(), **({"metrics": metrics} if metrics else {})}
     extra = {**({"placement": layer_source.placement()} if args["device_map"] is not None else {}),
              **({"ranks": comm.world, "collective_bytes": dict(comm.traffic)} if comm is not None else {}),

@@ -132,7 +132,9 @@ class LazyLayers:
         layer_prefix = f"{self.prefix}.{index}."
         adapter = get_adapter(self.model)
         # under transformers' own names (Mixtral's checkpoints say block_sparse_moe.gate and experts.N.w1)
-        tensors = {adapter.model_name(k): v for k, v in self._read(lambda k: k.startswith(layer_prefix), copy=True).items()}
+        read = self._read(lambda k: k.startswith(layer_prefix), copy=True)
+        tensors = {adapter.model_name(k): v for k, v in read.items()}
+        del read
         layer = self.model.get_submodule(f"{self.prefix}.{index}")
         tensors.update(self._fused_experts(index, layer, tensors, adapter))
         expected = {f"{layer_prefix}{n}" for n, _ in layer.named_parameters()}
