@@ -225,15 +225,17 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
     from quantkit.pipeline.distributed import staging_store
 
     store = staging_store(store)  # rank 0's own store, read without collectives
-    if scales_from_gptq:
-        absmax = {n: r.input_absmax for n, r in _results(results, store) if r.input_absmax is not None}
-        input_scales = _input_scales(model, preset, tuple(ignore), absmax=absmax)
+    # the static input scales from the absmax GPTQ's results carry (read where the results are read)
+    scales_of = (lambda absmax: _input_scales(model, preset, tuple(ignore), absmax=absmax)) if scales_from_gptq \
+        else None
     with contextlib.ExitStack() as scratch:
         if store is not None and (layer_source is not None or integer or method in ("gptq", "gptq+signround")):
             # the pipeline kept every layer's results in the store: assembled from there one layer at a time
             layout, load, written, kept, rename = scratch.enter_context(
-                _tensors_from_store(out, model, preset, tuple(ignore), store, input_scales, save_dtype))
+                _tensors_from_store(out, model, preset, tuple(ignore), store, scales_of, save_dtype))
         else:
+            if scales_of is not None:
+                input_scales = scales_of({n: r.input_absmax for n, r in results.items() if r.input_absmax is not None})
             layout, load, written, kept, rename = _in_memory_tensors(model, preset, tuple(ignore), results,
                                                                      options.get("mse"), input_scales, save_dtype)
         if not written:
@@ -408,15 +410,6 @@ def _kept_results(results: dict, store, layer_source) -> Optional[dict]:
     return results if store is None else None
 
 
-def _results(results: Optional[dict], store):
-    """(linear name, result) pairs: of `results`, or (streamed: None) of the store one layer at a time."""
-    if results is not None:
-        yield from results.items()
-        return
-    for i in store.done_layers():
-        yield from store.load_layer(i).quantized.items()
-
-
 def _check_data_parallel(model: torch.nn.Module, preset: SchemePreset, first, method: str) -> None:
     """Refuse, with the reason, what data-parallel ranks cannot share (they split GPTQ's calibration samples)."""
     from quantkit.models import get_adapter
@@ -520,15 +513,17 @@ def _quantized_state(model: torch.nn.Module, preset: SchemePreset, patterns: tup
 
 @contextlib.contextmanager
 def _tensors_from_store(out: Path, model: torch.nn.Module, preset: SchemePreset, patterns: tuple[str, ...], store,
-                        input_scales: dict, save_dtype: Optional[torch.dtype]):
+                        scales_of, save_dtype: Optional[torch.dtype]):
     """For the duration: (layout {checkpoint tensor name: (dtype, shape)}, load(name), {module name: weight shape},
     the linears left in full precision, rename: module name -> checkpoint name) of a run whose pipeline kept every
     layer in `store` (a streamed `model` is a skeleton holding only its non-layer tensors; a model in memory gives
     those too): each layer's linears packed by the layout's packer, its other tensors cast to `save_dtype` (None:
     the model's dtype), into a scratch file beside `out` one layer at a time (removed afterwards), so no more than
-    one layer's results are in memory. The layout's order is the in-memory writer's (`_quantized_state`: the
-    model's tensors with the quantized weights taken out, then each quantized linear's packed tensors), so the
-    shards are byte-identical to what it would write."""
+    one layer's results are in memory; `scales_of` (None: the preset stores none) turns the input absmax the
+    results carry, gathered in the same pass, into each linear's static input scale. The layout's order is the
+    in-memory writer's (`_quantized_state`: the model's tensors with the quantized weights taken out, then each
+    quantized linear's packed tensors and its input scale), so the shards are byte-identical to what it would
+    write."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -551,14 +546,14 @@ def _tensors_from_store(out: Path, model: torch.nn.Module, preset: SchemePreset,
         where: dict[str, tuple[Path, torch.dtype, tuple]] = {}  # layer tensor -> (its scratch file, dtype, shape)
         packed_names: dict[str, list[str]] = {}
         shapes: dict[str, tuple] = {}
+        absmax: dict[str, torch.Tensor] = {}
         for i in store.done_layers():
             record, tensors = store.load_layer(i), {}
             for name, r in record.quantized.items():
                 q = r if isinstance(r, QuantizedWeight) else r.weight
                 packed = layout.pack(q)
-                if input_scales:
-                    suffix, scale = input_scales[name]
-                    packed = {**packed, suffix: scale}
+                if getattr(r, "input_absmax", None) is not None:
+                    absmax[name] = r.input_absmax
                 packed_names[name] = [f"{name}.{k}" for k in packed]
                 tensors.update({f"{name}.{k}": t.contiguous() for k, t in packed.items()})
                 if r.bias is not None:
@@ -572,6 +567,11 @@ def _tensors_from_store(out: Path, model: torch.nn.Module, preset: SchemePreset,
         missing = [n for n in quantized if n not in packed_names]
         if missing:
             raise QuantkitError(f"the streamed run's records lack {missing[0]}; delete the staging folder and rerun")
+        held: dict[str, torch.Tensor] = {}  # the input scales (one value per linear), written after the packed tensors
+        for name, (suffix, scale) in (scales_of(absmax) if scales_of is not None else {}).items():
+            held[f"{name}.{suffix}"] = scale
+            packed_names[name].append(f"{name}.{suffix}")
+        where.update({k: (None, t.dtype, tuple(t.shape)) for k, t in held.items()})
         weights = {f"{n}.weight" for n in quantized}
         order = [k for k in skeleton if k not in weights] + [k for n in quantized for k in packed_names[n]]
         plan: dict[str, tuple[Optional[Path], torch.dtype, tuple]] = {}
@@ -588,6 +588,8 @@ def _tensors_from_store(out: Path, model: torch.nn.Module, preset: SchemePreset,
 
         def load(name: str) -> torch.Tensor:
             key = original[name]
+            if key in held:
+                return held[key]
             path, dtype, _ = plan[key]
             if path is None:
                 return _cast(model_state[key], dtype)
