@@ -127,6 +127,13 @@ def tiny_llama_dir(tmp_path_factory, demo_dir) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), demo_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_128_dir(tmp_path_factory, demo_dir) -> Path:
+    """2 random Llama layers whose every input size divides W4AFP8's groups of 128 (the float presets' tests),
+    with the demo tokenizer."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-128"), demo_dir, hidden=128, intermediate=256)
+
+
 def run_cli(*args, cwd=None, env=None, timeout=900):
     """Run `python -m quantkit.cli ARGS` in a subprocess; returns CompletedProcess (text)."""
     full_env = {**os.environ, **(env or {})}

@@ -267,14 +267,6 @@ def test_two_gloo_ranks_write_the_single_process_bytes(variant, tiny_llama_dir, 
     assert tree_sha256(tmp_path / "two") == tree_sha256(tmp_path / "one")
 
 
-@pytest.fixture(scope="module")
-def llama_128_dir(tmp_path_factory, demo_dir) -> Path:
-    """2 random Llama layers whose every input size divides W4AFP8's groups of 128, with the demo tokenizer."""
-    from conftest import save_tiny_llama
-
-    return save_tiny_llama(tmp_path_factory.mktemp("dp-llama-128"), demo_dir, hidden=128, intermediate=256)
-
-
 @pytest.mark.parametrize("scheme,method", [
     ("NVFP4", "gptq"),  # static input global scales: each rank's input absmax, maximised over the ranks
     ("FP8", "gptq"),
@@ -282,15 +274,15 @@ def llama_128_dir(tmp_path_factory, demo_dir) -> Path:
     ("W4AFP8", "gptq"),  # the integer steps
 ])
 @pytest.mark.slow  # starts rank processes (each imports torch): seconds each on two cores
-def test_two_gloo_ranks_write_the_single_process_float_bytes(scheme, method, llama_128_dir, tmp_path):
+def test_two_gloo_ranks_write_the_single_process_float_bytes(scheme, method, tiny_llama_128_dir, tmp_path):
     """A float preset's GPTQ calibrated on two data-parallel ranks (each on its share of the samples, the
     Hessians and input absmax reduced across them) writes the one-process checkpoint byte for byte."""
     import quantkit
 
     kwargs = dict(scheme=scheme, num_samples=16 if "signround" in method else 13, seq_len=24, dataset="lee",
                   progress=False, **({"options": {"iters": 4, "eval_every": 2}} if "signround" in method else {}))
-    one = quantkit.quantize(str(llama_128_dir), method, output=tmp_path / "one", **kwargs)
-    two = quantkit.quantize(str(llama_128_dir), method, output=tmp_path / "two", nproc=2, **kwargs)
+    one = quantkit.quantize(str(tiny_llama_128_dir), method, output=tmp_path / "one", **kwargs)
+    two = quantkit.quantize(str(tiny_llama_128_dir), method, output=tmp_path / "two", nproc=2, **kwargs)
     assert two.summary["ranks"] == 2 and "ranks" not in one.summary
     assert tree_sha256(tmp_path / "two") == tree_sha256(tmp_path / "one")
 

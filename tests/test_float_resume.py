@@ -2,30 +2,17 @@
 uninterrupted run writes: GPTQ's float results (with the input absmax its static scales come from), a
 transform pass's layers (SmoothQuant before GPTQ) and W4AFP8's integer results all come back from the
 progress store exactly."""
-import hashlib
-from pathlib import Path
 
 import pytest
 import torch
 
 import quantkit
-from conftest import save_tiny_llama
+from test_robustness import tree_sha256 as _tree
 from quantkit.errors import QuantkitError
 
 pytest.importorskip("compressed_tensors")
 
 CALIBRATION = dict(num_samples=4, seq_len=32, seed=1, progress=False)
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory, demo_dir) -> Path:
-    """2 random Llama layers whose every input size divides W4AFP8's groups of 128, with the demo tokenizer."""
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-128"), demo_dir, hidden=128, intermediate=256)
-
-
-def _tree(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def _interrupted(monkeypatch, run, after: int) -> None:
@@ -58,9 +45,9 @@ def _interrupted(monkeypatch, run, after: int) -> None:
     ("W4AFP8", "gptq", 1),  # the integer weights' records
     ("NVFP4", "gptq,signround", 1),  # SignRound's refined float results, with the absmax GPTQ observed
 ])
-def test_an_interrupted_float_run_resumes_to_the_same_bytes(tmp_path, monkeypatch, tiny_llama_dir, scheme, method,
+def test_an_interrupted_float_run_resumes_to_the_same_bytes(tmp_path, monkeypatch, tiny_llama_128_dir, scheme, method,
                                                            after):
-    src = str(tiny_llama_dir)
+    src = str(tiny_llama_128_dir)
     if "signround" in method:  # SignRound holds out a sequence of each of its 8 shards: 16 at least
         monkeypatch.setitem(CALIBRATION, "num_samples", 16)
         monkeypatch.setitem(CALIBRATION, "options", {"iters": 4, "eval_every": 2})
@@ -84,9 +71,9 @@ def test_an_interrupted_float_run_resumes_to_the_same_bytes(tmp_path, monkeypatc
     assert not staging.exists()
 
 
-def test_a_float_resume_with_other_settings_is_refused(tmp_path, monkeypatch, tiny_llama_dir):
+def test_a_float_resume_with_other_settings_is_refused(tmp_path, monkeypatch, tiny_llama_128_dir):
     """The records belong to one run: another calibration seed or another preset is refused, nothing changed."""
-    src, out, staging = str(tiny_llama_dir), tmp_path / "out", tmp_path / ".out.partial"
+    src, out, staging = str(tiny_llama_128_dir), tmp_path / "out", tmp_path / ".out.partial"
     _interrupted(monkeypatch, lambda: quantkit.quantize(src, "gptq", scheme="NVFP4A16", output=out, **CALIBRATION), 1)
     before = _tree(staging)
     with pytest.raises(QuantkitError, match="different settings.*calibration_digest"):
@@ -96,11 +83,11 @@ def test_a_float_resume_with_other_settings_is_refused(tmp_path, monkeypatch, ti
     assert _tree(staging) == before
 
 
-def test_a_float_run_that_fails_before_any_layer_leaves_nothing(tmp_path, tiny_llama_dir):
+def test_a_float_run_that_fails_before_any_layer_leaves_nothing(tmp_path, tiny_llama_128_dir):
     """A refusal inside the writer (here GPTQ's option check) leaves no staging folder to resume."""
     out = tmp_path / "out"
     with pytest.raises(QuantkitError, match="damp_percent"):
-        quantkit.quantize(str(tiny_llama_dir), "gptq", scheme="NVFP4A16", output=out,
+        quantkit.quantize(str(tiny_llama_128_dir), "gptq", scheme="NVFP4A16", output=out,
                           options={"damp_percent": 2.0}, **CALIBRATION)
     assert not out.exists() and not list(tmp_path.glob(".out*"))
 

@@ -3,29 +3,17 @@ writes the bytes the in-memory run writes: round-to-nearest as a pipeline step (
 (with the static input scales its pass observes), W4AFP8's integer steps, a MoE model's experts (fused from their
 per-expert tensors by the streamed reader); a streamed run stopped after a layer resumes to the same bytes; what it
 cannot do is refused in one line."""
-import hashlib
 from pathlib import Path
 
 import pytest
 
 import quantkit
-from conftest import save_tiny_llama
+from test_robustness import tree_sha256 as _tree
 from quantkit.errors import QuantkitError
 
 pytest.importorskip("compressed_tensors")
 
 CALIBRATION = dict(num_samples=4, seq_len=32, seed=1, progress=False)
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory, demo_dir) -> Path:
-    """2 random Llama layers whose every input size divides W4AFP8's groups of 128, with the demo tokenizer."""
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-128"), demo_dir, hidden=128, intermediate=256)
-
-
-def _tree(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.mark.parametrize("scheme,method", [
@@ -37,8 +25,8 @@ def _tree(folder: Path) -> dict[str, str]:
     ("FP8", "gptq"),
     ("W4AFP8", "gptq"),  # the integer weights
 ])
-def test_a_streamed_float_run_writes_the_in_memory_bytes(tmp_path, tiny_llama_dir, scheme, method):
-    src = str(tiny_llama_dir)
+def test_a_streamed_float_run_writes_the_in_memory_bytes(tmp_path, tiny_llama_128_dir, scheme, method):
+    src = str(tiny_llama_128_dir)
     cal = CALIBRATION if method != "rtn" else dict(progress=False)
     quantkit.quantize(src, method, scheme=scheme, output=tmp_path / "memory", streaming=False, **cal)
     result = quantkit.quantize(src, method, scheme=scheme, output=tmp_path / "streamed", streaming=True, **cal)
@@ -47,9 +35,9 @@ def test_a_streamed_float_run_writes_the_in_memory_bytes(tmp_path, tiny_llama_di
     assert not list(tmp_path.glob(".*")), list(tmp_path.glob(".*"))  # no staging or scratch folder left
 
 
-def test_a_streamed_float_run_in_shards_writes_the_in_memory_shards(tmp_path, tiny_llama_dir):
+def test_a_streamed_float_run_in_shards_writes_the_in_memory_shards(tmp_path, tiny_llama_128_dir):
     """Sharded output: the tensors' order (which tensor lands in which shard) is the in-memory writer's."""
-    src = str(tiny_llama_dir)
+    src = str(tiny_llama_128_dir)
     for name, streaming in (("memory", False), ("streamed", True)):
         quantkit.quantize(src, "rtn", scheme="NVFP4A16", output=tmp_path / name, streaming=streaming,
                           max_shard_size="2MB", progress=False)
@@ -83,10 +71,10 @@ def test_a_streamed_float_moe_writes_the_in_memory_bytes(tmp_path, demo_dir, sch
     assert _tree(tmp_path / "streamed") == _tree(tmp_path / "memory")
 
 
-def test_a_streamed_float_run_resumes_to_the_same_bytes(tmp_path, monkeypatch, tiny_llama_dir):
+def test_a_streamed_float_run_resumes_to_the_same_bytes(tmp_path, monkeypatch, tiny_llama_128_dir):
     from test_float_resume import _interrupted
 
-    src, out = str(tiny_llama_dir), tmp_path / "out"
+    src, out = str(tiny_llama_128_dir), tmp_path / "out"
     quantkit.quantize(src, "rtn", scheme="NVFP4A16", output=tmp_path / "whole", streaming=True, progress=False)
     _interrupted(monkeypatch, lambda: quantkit.quantize(src, "rtn", scheme="NVFP4A16", output=out, streaming=True,
                                                         progress=False), 1)
@@ -100,17 +88,17 @@ def test_a_streamed_float_run_resumes_to_the_same_bytes(tmp_path, monkeypatch, t
     ("NVFP4", None, r"--method smoothquant \(the default for --scheme NVFP4\) transforms"),
     ("FP8", "rtn", "static input scales on a forward of the whole model"),
 ])
-def test_what_a_streamed_float_run_cannot_do_is_refused(tmp_path, tiny_llama_dir, scheme, method, words):
+def test_what_a_streamed_float_run_cannot_do_is_refused(tmp_path, tiny_llama_128_dir, scheme, method, words):
     out = tmp_path / "out"
     with pytest.raises(QuantkitError, match=words) as err:
-        quantkit.quantize(str(tiny_llama_dir), method, scheme=scheme, output=out, streaming=True, **CALIBRATION)
+        quantkit.quantize(str(tiny_llama_128_dir), method, scheme=scheme, output=out, streaming=True, **CALIBRATION)
     assert "\n" not in str(err.value) and "drop --streaming" in str(err.value)
     assert not list(tmp_path.iterdir())
 
 
-def test_a_streamed_float_run_with_kv_cache_scales_is_refused(tmp_path, tiny_llama_dir):
+def test_a_streamed_float_run_with_kv_cache_scales_is_refused(tmp_path, tiny_llama_128_dir):
     with pytest.raises(QuantkitError, match="--kv-cache-scheme observes the whole model"):
-        quantkit.quantize(str(tiny_llama_dir), "gptq", scheme="FP8_DYNAMIC", output=tmp_path / "o", streaming=True,
+        quantkit.quantize(str(tiny_llama_128_dir), "gptq", scheme="FP8_DYNAMIC", output=tmp_path / "o", streaming=True,
                           kv_cache_scheme="fp8", **CALIBRATION)
     assert not list(tmp_path.iterdir())
 
