@@ -150,7 +150,7 @@ class LazyLayers:
         transformers' names), which `tensors` gives up: what `from_pretrained` fuses on loading. Each expert's
         tensor is copied into the `models.experts.RoutedExperts` view of its rows, the layout the calibration
         pipeline and the writers use, so the fusion is theirs inverted."""
-        from quantkit.models.experts import PROJECTIONS, RoutedExperts
+        from quantkit.models.experts import PROJECTIONS, RoutedExperts, check_fused
 
         out = {}
         for block in adapter.moe_blocks(layer):
@@ -158,14 +158,9 @@ class LazyLayers:
             names = {p: f"{self.prefix}.{index}.{block.experts}.{p}" for p in ("gate_up_proj", "down_proj")}
             if all(n in tensors for n in names.values()):
                 continue  # stored fused (a checkpoint transformers saved in its own layout)
+            check_fused(fused)  # the plain form the views below assume
             built = {p: torch.empty(tuple(getattr(fused, p).shape), dtype=self.dtype) for p in names}
-            holder = torch.nn.Module()
-            holder.gate_up_proj, holder.down_proj, holder.act_fn = built["gate_up_proj"], built["down_proj"], \
-                fused.act_fn
-            for attr in ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm"):
-                if hasattr(fused, attr):
-                    setattr(holder, attr, getattr(fused, attr))
-            views = RoutedExperts.from_fused(holder)  # views of `built`'s rows, checked to be the plain form
+            views = RoutedExperts.viewing(built["gate_up_proj"], built["down_proj"], fused.act_fn)
             for e, expert in enumerate(views):
                 for p in PROJECTIONS:
                     key = f"{self.prefix}.{index}.{block.experts}.{e}.{p}.weight"

@@ -70,9 +70,16 @@ class RoutedExperts(nn.ModuleList):
     @classmethod
     def from_fused(cls, fused: nn.Module) -> "RoutedExperts":
         """Per-expert linears viewing `fused`'s parameters (no copy until a weight is replaced)."""
-        e, h, i = check_fused(fused)
-        gate_up, down = fused.gate_up_proj, fused.down_proj
-        routed = cls(e, h, i, fused.act_fn, device="meta", dtype=gate_up.dtype)
+        check_fused(fused)
+        return cls.viewing(fused.gate_up_proj, fused.down_proj, fused.act_fn)
+
+    @classmethod
+    def viewing(cls, gate_up: torch.Tensor, down: torch.Tensor, act_fn: nn.Module) -> "RoutedExperts":
+        """Per-expert linears viewing tensors in the fused layout `check_fused` accepts (gate_up [E, 2I, H],
+        down [E, H, I]): copying into an expert's weight fills its rows there (the streamed reader fuses so)."""
+        e, two_i, h = gate_up.shape
+        i = two_i // 2
+        routed = cls(e, h, i, act_fn, device="meta", dtype=gate_up.dtype)
         for k, expert in enumerate(routed):
             expert.gate_proj.weight = nn.Parameter(gate_up.data[k, :i], requires_grad=False)
             expert.up_proj.weight = nn.Parameter(gate_up.data[k, i:], requires_grad=False)
