@@ -310,7 +310,7 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
             store = _progress_store(output, source, plan, save_dtype, batch, ids, args["resume"], comm,
                                     layout=f"compressed-tensors:{float_checkpoint.layout_of(p)}")
             with bounded_heap() if layer_source is not None else contextlib.nullcontext():  # as the integer runs
-                written = float_checkpoint.write(
+                shapes = float_checkpoint.write(  # {module name: weight shape}
                     hf_model, p, folder, ignore=plan.scheme.ignore, method=plan.recipe.name, calibration=ids,
                     options=non_default_options(plan.recipe), batch_size=batch or 8,
                     progress=bool(args["progress"]) and lead, kv_scales=kv_scales, save_dtype=save_dtype,
@@ -323,7 +323,6 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
             if tokenizer is not None:
                 tokenizer.save_pretrained(folder)
             qcfg = json.loads((folder / "config.json").read_text())["quantization_config"]
-            shapes = written  # {module name: weight shape}
             used = {k: v for k, v in plan.method_info().items() if k not in plan.recipe.describe() or k == "method"}
             # the options the writer took (not the defaults), with those a float grid sets for its refiner
             card_method = {**used, **float_checkpoint.float_defaults(plan.recipe.name, p),
@@ -336,7 +335,7 @@ def _quantize_float(args: dict, plan, hf_model, tokenizer, base_name: str, layer
             replace_dir(folder, output)
             shutil.rmtree(store.folder, ignore_errors=True)  # written: nothing left to resume
         except BaseException:
-            disk = staging_store(store) if store is not None else None
+            disk = staging_store(store)  # None before the store started, and on the ranks other than 0
             if disk is not None and not disk.has_layers():
                 shutil.rmtree(disk.folder, ignore_errors=True)  # nothing worth resuming: leave no trace
             raise
