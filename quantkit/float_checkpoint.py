@@ -378,7 +378,8 @@ def _gptq_results(model: torch.nn.Module, preset: SchemePreset, patterns: tuple[
     if calibration is None:
         raise QuantkitError(f"--scheme {preset.name} with --method gptq needs calibration data (token ids)")
     adapter, names = pipeline_linears(model, patterns)
-    step = FloatGPTQ(preset.weights, **{k: v for k, v in options.items() if k not in SignRoundRefiner.options_spec})
+    step = FloatGPTQ(preset.weights, preset.input_activations,
+                     **{k: v for k, v in options.items() if k not in SignRoundRefiner.options_spec})
     if record_input_absmax:
         step.record_input_absmax()
     if refine:

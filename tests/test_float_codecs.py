@@ -57,6 +57,34 @@ def test_e2m1_rounding_matches_brute_force_reference_and_compressed_tensors():
     assert e2m1.decode(e2m1.encode(midpoints[:7])).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
 
 
+def test_bulk_e2m1_rounding_matches_the_brute_force_reference():
+    g = torch.Generator().manual_seed(2)
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.5, 100.0, 1e-30, 0.0])
+    a = torch.cat([torch.randn(20000, generator=g).abs() * 3, midpoints, GRID])
+    expected = GRID[(reference_e2m1_codes(a) & 7).long()]
+    assert torch.equal(e2m1.round_magnitudes_(a.clone()), expected)
+
+
+def test_nvfp4_activation_rounding_is_the_codecs_round_trip():
+    """The bulk path a runtime's (and GPTQ's) W4A4 input rounding takes equals quantize + dequantize bit for
+    bit: ties, zero groups, signed zeros, values beyond the global scale's range, more rows than one chunk."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(nvfp4.FAKE_QUANTIZE_ROWS * 2 + 5, 96, generator=g) * 2
+    x[0, :16] = 0.0
+    x[1, :16] = -0.0
+    x[2, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2) * torch.tensor(0.5)
+    x[3, 5] = 1e4  # past the calibrated range: saturates as the codec does
+    gscale = nvfp4.global_scale(x[4:])  # calibrated on other rows than the outlier's
+    expected = nvfp4.quantize(x, gscale=gscale).dequantize()
+    got = nvfp4.fake_quantize(x, gscale)
+    assert torch.equal(got, expected)
+    assert torch.equal(torch.signbit(got), torch.signbit(expected))
+    # one global scale per row: each row as the codec rounds it alone
+    per_row = nvfp4.fake_quantize(x, nvfp4.row_global_scales(x))
+    for i in (0, 3, 7, x.shape[0] - 1):
+        assert torch.equal(per_row[i], nvfp4.quantize(x[i:i + 1]).dequantize()[0])
+
+
 def test_e4m3_saturates_instead_of_nan():
     out = e4m3.to_e4m3(torch.tensor([1000.0, -1000.0, 448.0, 0.1]))
     assert out.to(torch.float32).tolist()[:3] == [448.0, -448.0, 448.0]

@@ -65,5 +65,25 @@ def fake_quantize(x: torch.Tensor, args: QuantArgs, scale: Optional[torch.Tensor
     elif args.strategy == "group":
         out = mxfp4.quantize(rows).dequantize()
     else:
-        out = nvfp4.quantize(rows, gscale=scale).dequantize()
+        out = nvfp4.fake_quantize(rows, scale if scale is not None else nvfp4.global_scale(rows))
     return out.reshape(x.shape).to(x.dtype)
+
+
+def rounds_without_scales(args: QuantArgs) -> bool:
+    """Whether `fake_quantize_split_free` can round inputs under `args`: every rule above but static FP8's one
+    per-tensor scale (a number only the whole calibration set fixes, which it could not stand in for)."""
+    return (args.bits, args.strategy, args.dynamic) != (8, "tensor", False)
+
+
+def fake_quantize_split_free(x: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    """`fake_quantize` of calibration inputs without a calibrated scale, so the result of a row does not depend
+    on the rows beside it (how the samples are batched, chunked or split among data-parallel ranks): the dynamic
+    rules as they are; NVFP4 with each row's own global scale in place of the static input_global_scale (the
+    group scales are E4M3 either way, whose relative step is the same over its normal range)."""
+    if not rounds_without_scales(args):
+        raise QuantkitError("static per-tensor FP8 input scales are fixed by the whole calibration set; "
+                            "its inputs cannot be rounded row by row")
+    if args.kind == "float" and args.bits == 4 and args.strategy == "tensor_group":
+        rows = x.reshape(-1, x.shape[-1])
+        return nvfp4.fake_quantize(rows, nvfp4.row_global_scales(rows)).reshape(x.shape).to(x.dtype)
+    return fake_quantize(x, args)

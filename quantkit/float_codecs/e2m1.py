@@ -45,3 +45,13 @@ def nearest_value(x: torch.Tensor) -> torch.Tensor:
     mids, ups, mags = (t.to(a.device) for t in (_MIDPOINTS_T, _UP_AT_TIE, _MAGNITUDES_T))
     index = torch.bucketize(a, mids) + torch.isin(a, ups)
     return torch.where(torch.signbit(x), -mags[index], mags[index])
+
+
+def round_magnitudes_(a: torch.Tensor) -> torch.Tensor:
+    """Non-negative float32 `a` rounded to the nearest E2M1 magnitude in place (the values of `nearest_value`,
+    same ties and saturation): E2M1 keeps one mantissa bit, so a magnitude in [2^e, 2^(e+1)) rounds on a step of
+    2^(e-1) (0.5 below 2, where the subnormal 0.5 shares the step), half to even, then saturates at 6. Fewer
+    passes over memory than `nearest_value`'s table lookups: the bulk path (activations, ~2x faster)."""
+    _, exponent = torch.frexp(a)  # a = m * 2^exponent, m in [0.5, 1): floor(log2 a) = exponent - 1
+    step = exponent.sub_(1).clamp_(min=0).to(torch.float32).exp2_().mul_(0.5)
+    return a.div_(step).round_().mul_(step).clamp_(max=MAX)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.float_codecs import scale_search
+from quantkit.float_codecs import activations, scale_search
 from quantkit.float_codecs.fixed_grid import FixedFloatGrid, fixed_grid
 from quantkit.float_codecs.fused_global_scale import shared_global_scales
 from quantkit.float_codecs.result import FloatResult
@@ -32,6 +32,31 @@ from quantkit.quantizers.gptq_core import (LayerInputStatistics, act_order_permu
                                            zero_dead_inputs_)
 from quantkit.scheme import LinearScheme
 from quantkit.scheme_presets import QuantArgs
+
+
+# presets whose GPTQ rounds its Hessian's inputs by default (`input_rounding`), by input activation scheme
+# (kind, bits, strategy): measured on the demo, docs/float-schemes.md
+INPUT_ROUNDING_DEFAULT_ON = {("float", 4, "tensor_group")}
+
+
+def _rounded_inputs(acts: Optional[QuantArgs], asked: Optional[bool]) -> Optional[QuantArgs]:
+    """The activation scheme GPTQ rounds its inputs onto (None: it does not), from the option and the preset."""
+    if asked is not None and not isinstance(asked, bool):
+        raise QuantkitError(f"option input_rounding={asked!r} must be true or false")
+    if acts is None or asked is False:
+        if asked:
+            raise QuantkitError("option input_rounding=true: this preset leaves its inputs unquantized (a weight-only "
+                                "scheme); there is nothing to round")
+        return None
+    if not activations.rounds_without_scales(acts):
+        if asked:
+            raise QuantkitError("option input_rounding=true: a static per-tensor FP8 input scale is fixed by the "
+                                "whole calibration set, so GPTQ cannot round its inputs as the runtime will; "
+                                "use FP8_DYNAMIC or leave the option off")
+        return None
+    if asked is None and (acts.kind, acts.bits, acts.strategy) not in INPUT_ROUNDING_DEFAULT_ON:
+        return None
+    return acts
 
 
 @torch.no_grad()
@@ -89,10 +114,16 @@ class FloatGPTQ(Quantizer):
     # solver's option (`gptq_core.asymmetric_target`; the format's scales stay fixed from the original weight)
     # weighted_search: the range search weighs each weight's rounding error by its input's mean square (the
     # Hessian's diagonal), as the layer's output error does (NVFP4A16 on the demo: KL -19 % lee, -22 % wiki)
+    # input_rounding (presets that quantize their inputs): the Hessian from the inputs as the runtime rounds them
+    # onto the preset's activation grid (`activations.fake_quantize_split_free`), so GPTQ matches the weights'
+    # output on the inputs the weights will meet; input_rounding_alpha > 0 also moves the target towards the
+    # unrounded inputs' output W x (GPTAQ's asymmetric problem with the rounded input as x_q, one more [K, K]
+    # statistic per input); None: on where measured (INPUT_ROUNDING_DEFAULT_ON)
     options_spec = {"damp_percent": 0.01, "block_size": 128, "desc_act": True, "true_sequential": True, "mse": None,
-                    "weighted_search": True, "gptaq": False, "gptaq_alpha": 0.25}
+                    "weighted_search": True, "gptaq": False, "gptaq_alpha": 0.25, "input_rounding": None,
+                    "input_rounding_alpha": 0.0}
 
-    def __init__(self, weights: QuantArgs, **options):
+    def __init__(self, weights: QuantArgs, input_activations: Optional[QuantArgs] = None, **options):
         super().__init__(**options)
         if not 0 < float(self.options["damp_percent"]) < 1:
             raise QuantkitError(f"damp_percent must be in (0, 1), got {self.options['damp_percent']}")
@@ -105,7 +136,13 @@ class FloatGPTQ(Quantizer):
         check_gptaq_alpha(self.options["gptaq_alpha"])
         self.needs_reference_inputs = self.options["gptaq"]  # an instance attribute: the recipe reads it
         self.weights = weights
-        self._stats = LayerInputStatistics(with_cross=self.needs_reference_inputs)
+        self.input_activations = _rounded_inputs(input_activations, self.options["input_rounding"])
+        alpha = self.options["input_rounding_alpha"]
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+            raise QuantkitError(f"input_rounding_alpha must be a number in [0, 1], got {alpha!r}")
+        self._input_target = self.input_activations is not None and alpha > 0 and not self.options["gptaq"]
+        self._stats = LayerInputStatistics(with_cross=self.needs_reference_inputs or self._input_target)
+        self._rounded: tuple = (None, None)
         self._stage_mates: dict[str, list[str]] = {}
         self._stacked: dict[str, FloatResult] = {}
         self._global_scales: dict[str, torch.Tensor] = {}
@@ -135,11 +172,19 @@ class FloatGPTQ(Quantizer):
         return bool(self.options["true_sequential"])
 
     def observe(self, name: str, module: nn.Module, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
-        self._stats.observe(name, module.in_features, x, reference, self._ctx.row_layout(name) if self._ctx else None)
         if self.input_absmax is not None and x.numel():
             key = (self._ctx.prefix if self._ctx is not None else "") + name
             amax = x.detach().abs().amax().to(device="cpu", dtype=torch.float32)
             self.input_absmax[key] = torch.maximum(self.input_absmax[key], amax) if key in self.input_absmax else amax
+        if self.input_activations is not None and x.numel():
+            x, reference = self._rounded_input(x), (x if self._input_target else reference)
+        self._stats.observe(name, module.in_features, x, reference, self._ctx.row_layout(name) if self._ctx else None)
+
+    def _rounded_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x rounded as the runtime rounds it (one tensor per input: q/k/v share theirs, as their Hessian)."""
+        if x is not self._rounded[0]:
+            self._rounded = (x, activations.fake_quantize_split_free(x.detach(), self.input_activations))
+        return self._rounded[1]
 
     def _grid(self, name: str, weight: torch.Tensor, importance: Optional[torch.Tensor] = None) -> FixedFloatGrid:
         search = scale_search.enabled(self.weights, self.options["mse"], scale_search.GPTQ_DEFAULT_ON)
@@ -169,7 +214,8 @@ class FloatGPTQ(Quantizer):
         o = self.options
         H = H.to(weight.device)
         if cross is not None:  # GPTAQ: GPTQ on the target that reproduces the unquantized model's output
-            weight = asymmetric_target(weight, H, cross.cross().to(H.device), float(o["gptaq_alpha"]),
+            alpha = o["input_rounding_alpha"] if self._input_target else o["gptaq_alpha"]
+            weight = asymmetric_target(weight, H, cross.cross().to(H.device), float(alpha),
                                        float(o["damp_percent"]))
         w_hat, stats = gptq_on_float_grid(weight, H, grid, int(o["block_size"]), float(o["damp_percent"]),
                                           bool(o["desc_act"]))
@@ -212,6 +258,7 @@ class FloatGPTQ(Quantizer):
 
     def end_layer(self, ctx: LayerContext) -> None:
         self._stats.clear()
+        self._rounded = (None, None)
         self._stacked.clear()
         self._global_scales = {}
         self._ctx = None
