@@ -85,6 +85,20 @@ def test_nvfp4_activation_rounding_is_the_codecs_round_trip():
         assert torch.equal(per_row[i], nvfp4.quantize(x[i:i + 1]).dequantize()[0])
 
 
+def test_mxfp4_activation_rounding_is_the_codecs_round_trip():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(mxfp4.FAKE_QUANTIZE_ROWS + 7, 96, generator=g) * 3
+    x[0, :32] = 0.0
+    x[1, :32] = -0.0
+    x[2, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2)  # ties under a scale of 1
+    x[2, 16:32] = 0.1
+    x[3, 40] = 1e30  # a huge group: its exponent, others' unchanged
+    x[4, 64:96] = 1e-40  # subnormal inputs
+    got, expected = mxfp4.fake_quantize(x), mxfp4.quantize(x).dequantize()
+    assert torch.equal(got, expected)
+    assert torch.equal(torch.signbit(got), torch.signbit(expected))
+
+
 def test_e4m3_saturates_instead_of_nan():
     out = e4m3.to_e4m3(torch.tensor([1000.0, -1000.0, 448.0, 0.1]))
     assert out.to(torch.float32).tolist()[:3] == [448.0, -448.0, 448.0]

@@ -102,7 +102,12 @@ def test_refusals_name_the_reason():
         FloatGPTQ(fp8_static.weights, fp8_static.input_activations, input_rounding=True)
     with pytest.raises(QuantkitError, match="input_rounding_alpha must be a number in"):
         FloatGPTQ(preset("NVFP4").weights, preset("NVFP4").input_activations, input_rounding_alpha=1.5)
-    # the defaults: on for NVFP4 (measured), off where the runtime's rounding cannot be reproduced row by row
-    assert FloatGPTQ(preset("NVFP4").weights, preset("NVFP4").input_activations).input_activations is not None
+    with pytest.raises(QuantkitError, match="give one of them"):
+        FloatGPTQ(preset("NVFP4").weights, preset("NVFP4").input_activations, gptaq=True, input_rounding_alpha=0.25)
+    # the defaults: on for the FP4 activations (measured), off for FP8 ones (measured: too little gain for the
+    # time) and where the runtime's rounding cannot be reproduced row by row
+    for on in ("NVFP4", "MXFP4"):
+        assert FloatGPTQ(preset(on).weights, preset(on).input_activations).input_activations is not None
+    assert FloatGPTQ(preset("FP8_DYNAMIC").weights, preset("FP8_DYNAMIC").input_activations).input_activations is None
     assert FloatGPTQ(fp8_static.weights, fp8_static.input_activations).input_activations is None
     assert FloatGPTQ(nvfp4a16.weights, None).input_activations is None

@@ -63,7 +63,7 @@ def fake_quantize(x: torch.Tensor, args: QuantArgs, scale: Optional[torch.Tensor
             raise QuantkitError(f"FP8 group activations need an input size that is a multiple of {g}, got {k}")
         out = fp8.quantize(rows.reshape(-1, g), "channel").dequantize().reshape(rows.shape)
     elif args.strategy == "group":
-        out = mxfp4.quantize(rows).dequantize()
+        out = mxfp4.fake_quantize(rows)
     else:
         out = nvfp4.fake_quantize(rows, scale if scale is not None else nvfp4.global_scale(rows))
     return out.reshape(x.shape).to(x.dtype)

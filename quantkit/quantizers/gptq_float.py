@@ -36,7 +36,7 @@ from quantkit.scheme_presets import QuantArgs
 
 # presets whose GPTQ rounds its Hessian's inputs by default (`input_rounding`), by input activation scheme
 # (kind, bits, strategy): measured on the demo, docs/float-schemes.md
-INPUT_ROUNDING_DEFAULT_ON = {("float", 4, "tensor_group")}
+INPUT_ROUNDING_DEFAULT_ON = {("float", 4, "tensor_group"), ("float", 4, "group")}  # NVFP4, MXFP4
 
 
 def _rounded_inputs(acts: Optional[QuantArgs], asked: Optional[bool]) -> Optional[QuantArgs]:
@@ -140,7 +140,10 @@ class FloatGPTQ(Quantizer):
         alpha = self.options["input_rounding_alpha"]
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
             raise QuantkitError(f"input_rounding_alpha must be a number in [0, 1], got {alpha!r}")
-        self._input_target = self.input_activations is not None and alpha > 0 and not self.options["gptaq"]
+        if alpha > 0 and self.options["gptaq"]:
+            raise QuantkitError("input_rounding_alpha moves GPTQ's target towards the unrounded input's output, gptaq "
+                                "towards the unquantized model's: give one of them")
+        self._input_target = self.input_activations is not None and alpha > 0
         self._stats = LayerInputStatistics(with_cross=self.needs_reference_inputs or self._input_target)
         self._rounded: tuple = (None, None)
         self._stage_mates: dict[str, list[str]] = {}
