@@ -268,7 +268,9 @@ def test_two_gloo_ranks_write_the_single_process_bytes(variant, tiny_llama_dir, 
 
 
 @pytest.mark.parametrize("scheme,method", [
-    ("NVFP4", "gptq"),  # static input global scales: each rank's input absmax, maximised over the ranks
+    ("NVFP4", "gptq"),  # static input global scales: each rank's input absmax, maximised over the ranks; and
+    # GPTQ's Hessian of the rounded inputs (input_rounding, on by default), each row rounded on its own
+    ("MXFP4", "gptq"),  # the same with MXFP4's dynamic input rounding
     ("FP8", "gptq"),
     ("MXFP4A16", "gptq,signround"),  # SignRound's float refiner on shared calibration
     ("W4AFP8", "gptq"),  # the integer steps
