@@ -197,6 +197,7 @@ class FloatGPTQ(Quantizer):
         if name in self._stacked:
             return self._stacked.pop(name)
         acc, cross = self._stats.pop(name)
+        self._rounded = (None, None)  # its inputs are all observed (as its mates'): the rounded copy can go
         if acc is not None:
             acc.finish()
         if acc is None or acc.n_samples == 0:
