@@ -212,6 +212,8 @@ def write(model: torch.nn.Module, preset: SchemePreset, output: os.PathLike,
         results = _integer_results(model, preset, tuple(ignore), method, calibration, options, batch_size,
                                    progress, device, store, layer_source, comm, stats)
     elif method in ("gptq", "gptq+signround"):
+        if first is not None:  # after a pass, GPTQ calibrates on the unrounded inputs unless asked (measured:
+            options = {"input_rounding": False, **options}  # SmoothQuant + GPTQ on NVFP4 gains nothing from it)
         results = _gptq_results(model, preset, tuple(ignore), calibration, options, batch_size, progress,
                                 record_input_absmax=scales_from_gptq, device=device, store=store,
                                 refine=method == "gptq+signround", layer_source=layer_source, comm=comm,
