@@ -69,7 +69,7 @@ def test_nvfp4_activation_rounding_is_the_codecs_round_trip():
     """The bulk path a runtime's (and GPTQ's) W4A4 input rounding takes equals quantize + dequantize bit for
     bit: ties, zero groups, signed zeros, values beyond the global scale's range, more rows than one chunk."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(nvfp4.FAKE_QUANTIZE_ROWS * 2 + 5, 96, generator=g) * 2
+    x = torch.randn(e2m1.FAKE_QUANTIZE_ROWS * 2 + 5, 96, generator=g) * 2
     x[0, :16] = 0.0
     x[1, :16] = -0.0
     x[2, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2) * torch.tensor(0.5)
@@ -87,7 +87,7 @@ def test_nvfp4_activation_rounding_is_the_codecs_round_trip():
 
 def test_mxfp4_activation_rounding_is_the_codecs_round_trip():
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(mxfp4.FAKE_QUANTIZE_ROWS + 7, 96, generator=g) * 3
+    x = torch.randn(e2m1.FAKE_QUANTIZE_ROWS + 7, 96, generator=g) * 3
     x[0, :32] = 0.0
     x[1, :32] = -0.0
     x[2, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2)  # ties under a scale of 1

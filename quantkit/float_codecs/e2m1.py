@@ -55,3 +55,24 @@ def round_magnitudes_(a: torch.Tensor) -> torch.Tensor:
     _, exponent = torch.frexp(a)  # a = m * 2^exponent, m in [0.5, 1): floor(log2 a) = exponent - 1
     step = exponent.sub_(1).clamp_(min=0).to(torch.float32).exp2_().mul_(0.5)
     return a.div_(step).round_().mul_(step).clamp_(max=MAX)
+
+
+# rows rounded at once by `fake_quantize_groups`: the temporaries stay cache-sized (4x faster than whole)
+FAKE_QUANTIZE_ROWS = 256
+
+
+def fake_quantize_groups(x: torch.Tensor, group_size: int, step_of) -> torch.Tensor:
+    """E2M1 elements of a 2-D `x` [N, K] in groups of `group_size` along K, rounded and scaled back (float32), a few
+    hundred rows at a time: the activation round trip of the FP4 formats without their codes. `step_of(groups,
+    rows)` gives each group's scale [r, K/group_size, 1] for `groups` [r, K/group_size, group_size] (float32, x's
+    rows `rows`), so NVFP4 and MXFP4 differ only in it."""
+    n, k = x.shape
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    for start in range(0, n, FAKE_QUANTIZE_ROWS):
+        rows = slice(start, start + FAKE_QUANTIZE_ROWS)
+        groups = x[rows].to(torch.float32).reshape(-1, k // group_size, group_size)
+        step = step_of(groups, rows)
+        rounded = out[rows].view(groups.shape)
+        torch.abs(groups, out=rounded)
+        round_magnitudes_(rounded.div_(step)).mul_(step).copysign_(groups)
+    return out

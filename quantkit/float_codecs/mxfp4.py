@@ -26,26 +26,13 @@ class Mxfp4Weight:
         return (values * e8m0.decode(self.scale_codes).unsqueeze(-1)).reshape(n, k).to(dtype)
 
 
-# rows of an activation rounded at once by `fake_quantize` (cache-sized temporaries, as NVFP4's)
-FAKE_QUANTIZE_ROWS = 256
-
-
 @torch.no_grad()  # as the codec's: rounding has no gradient (the codes are integers)
 def fake_quantize(x: torch.Tensor) -> torch.Tensor:
     """quantize(x).dequantize() of a 2-D `x` (an activation: absmax exponents, no search), value for value, without
-    the codes, a few hundred rows at a time (E2M1 by `e2m1.round_magnitudes_`): a runtime's MXFP4 input rounding
-    at a fraction of the codec's cost."""
+    the codes (`e2m1.fake_quantize_groups`): a runtime's MXFP4 input rounding at a fraction of the codec's cost."""
     check_grouped_shape(x, GROUP_SIZE, "MXFP4")
-    n, k = x.shape
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    for start in range(0, n, FAKE_QUANTIZE_ROWS):
-        rows = slice(start, start + FAKE_QUANTIZE_ROWS)
-        groups = x[rows].to(torch.float32).reshape(-1, k // GROUP_SIZE, GROUP_SIZE)
-        scale = e8m0.decode(e8m0.shared_exponent_codes(groups.abs().amax(dim=-1))).unsqueeze(-1)
-        rounded = out[rows].view(groups.shape)
-        torch.abs(groups, out=rounded)
-        e2m1.round_magnitudes_(rounded.div_(scale)).mul_(scale).copysign_(groups)
-    return out
+    return e2m1.fake_quantize_groups(
+        x, GROUP_SIZE, lambda groups, _: e8m0.decode(e8m0.shared_exponent_codes(groups.abs().amax(dim=-1))).unsqueeze(-1))
 
 
 def quantize(weight: torch.Tensor, search: bool = False, importance: torch.Tensor | None = None) -> Mxfp4Weight:

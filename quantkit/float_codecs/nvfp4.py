@@ -32,46 +32,41 @@ class Nvfp4Weight:
         return (values * step.unsqueeze(-1)).reshape(n, k).to(dtype)
 
 
-# rows of an activation rounded at once by `fake_quantize`: its temporaries stay cache-sized (4x faster than whole)
-FAKE_QUANTIZE_ROWS = 256
-
-
 @torch.no_grad()  # as the codec's: rounding has no gradient (the codes are integers)
 def fake_quantize(x: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
     """quantize(x, gscale).dequantize() of a 2-D `x` (an activation under its input global scale), value for
-    value (the same operations on every scale; E2M1 by `e2m1.round_magnitudes_`), without the codes, a few
-    hundred rows at a time: what a runtime's W4A4 input rounding gives, at a fraction of the codec's cost.
-    `gscale` is one scale [1] or one per row [N, 1] (each row then as if quantized alone under its own)."""
+    value (the same operations on every scale), without the codes (`e2m1.fake_quantize_groups`): what a runtime's
+    W4A4 input rounding gives, at a fraction of the codec's cost. `gscale` is one scale [1] or one per row
+    [N, 1] (each row then as if quantized alone under its own)."""
     check_grouped_shape(x, GROUP_SIZE, "NVFP4")
-    n, k = x.shape
+    n = x.shape[0]
     gscale = gscale.to(device=x.device, dtype=torch.float32)
     if gscale.numel() != 1 and tuple(gscale.shape) != (n, 1):
         raise ValueError(f"NVFP4 global scales of shape {tuple(gscale.shape)} for {n} rows; give [1] or [{n}, 1]")
     per_row = gscale.numel() != 1
     six, eps = (torch.tensor(v, device=x.device) for v in (e2m1.MAX, 0.125))
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    for start in range(0, n, FAKE_QUANTIZE_ROWS):
-        rows = slice(start, start + FAKE_QUANTIZE_ROWS)
+
+    def step_of(groups: torch.Tensor, rows: slice) -> torch.Tensor:
         g = gscale[rows] if per_row else gscale.reshape(1, 1)
-        groups = x[rows].to(torch.float32).reshape(-1, k // GROUP_SIZE, GROUP_SIZE)
         scale = e4m3.to_e4m3(groups.abs().amax(dim=-1).div_(six).mul_(g)).to(torch.float32)
-        step = torch.where(scale == 0, eps, scale).div_(g).unsqueeze(-1)
-        rounded = out[rows].view(groups.shape)
-        torch.abs(groups, out=rounded)
-        e2m1.round_magnitudes_(rounded.div_(step)).mul_(step).copysign_(groups)
-    return out
+        return torch.where(scale == 0, eps, scale).div_(g).unsqueeze(-1)
+
+    return e2m1.fake_quantize_groups(x, GROUP_SIZE, step_of)
+
+
+def _scale_of_absmax(amax: torch.Tensor) -> torch.Tensor:
+    """448 * 6 / amax (amax at least float32's tiny), 1.0 where that is not finite: `generate_gparam`'s rule."""
+    scale = e4m3.MAX * e2m1.MAX / amax.clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0)
 
 
 def row_global_scales(x: torch.Tensor) -> torch.Tensor:
     """`global_scale`'s rule for each row of a 2-D `x` alone, [N, 1]."""
-    amax = x.to(torch.float32).abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    return torch.nan_to_num(e4m3.MAX * e2m1.MAX / amax, nan=1.0, posinf=1.0, neginf=1.0)
+    return _scale_of_absmax(x.to(torch.float32).abs().amax(dim=1, keepdim=True))
 
 
 def global_scale(weight: torch.Tensor) -> torch.Tensor:
-    amax = weight.to(torch.float32).abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
-    scale = e4m3.MAX * e2m1.MAX / amax
-    return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0).reshape(1)
+    return _scale_of_absmax(weight.to(torch.float32).abs().amax()).reshape(1)
 
 
 def check_grouped_shape(weight: torch.Tensor, group_size: int, name: str) -> None:
