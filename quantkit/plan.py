@@ -197,8 +197,10 @@ def resolve_plan(method=None, *, recipe_file=None, options: Optional[dict] = Non
 
         method, defaults = DEFAULT_METHODS.get(preset.name, (DEFAULT_METHOD, {}))
         options = {**defaults, **(options or {})}
-    recipe = build_recipe(method if method is not None else rec.get("method", DEFAULT_METHOD),
-                          {**(rec.get("options") or {}), **(options or {})})
+    all_options = {**(rec.get("options") or {}), **(options or {})}
+    if not (preset is not None and preset.float_grid and preset.weights.kind == "float"):
+        _refuse_float_only(all_options)
+    recipe = build_recipe(method if method is not None else rec.get("method", DEFAULT_METHOD), all_options)
     if preset is not None and preset.float_grid:
         _check_float_preset(preset, recipe, options, gguf_type)
     quant_scheme = _scheme(recipe, rec.get("scheme") or {}, bits=bits, group_size=group_size, sym=sym, ignore=ignore,
@@ -283,6 +285,15 @@ def _preset_flags(name: str, method, *, bits, group_size, sym, format):
     return p, method, (w.bits, group, w.symmetric, format or "compressed-tensors")
 
 
+def _refuse_float_only(options: dict) -> None:
+    """GPTQ's input rounding exists for float presets only: on integer weights it would change nothing."""
+    from quantkit.quantizers.gptq import FLOAT_ONLY_OPTIONS, float_only_refusal
+
+    given = {k: options[k] for k in FLOAT_ONLY_OPTIONS if k in options}
+    if given:
+        raise QuantkitError(float_only_refusal(given))
+
+
 def _check_float_preset(p: SchemePreset, recipe: Recipe, options: Optional[dict], gguf_type) -> None:
     """A float preset is written by round-to-nearest or GPTQ onto its grid (quantkit.float_checkpoint), either
     after a pass (quantizers.float_passes: SmoothQuant where the preset quantizes activations, AWQ's scale
@@ -323,6 +334,8 @@ def _check_float_preset(p: SchemePreset, recipe: Recipe, options: Optional[dict]
     if unknown:
         raise QuantkitError(f"{finish.replace('+', ' + ')} on --scheme {p.name}'s float grid takes only "
                             f"{', '.join(takes)}; drop {', '.join(unknown)}")
+    if finish.startswith("gptq"):  # the float solve's own refusals (input rounding on a weight-only preset...)
+        FloatGPTQ(p.weights, p.input_activations, **{k: v for k, v in given.items() if k in FloatGPTQ.options_spec})
     layout_of(p)  # the format's own refusal, with its reason
 
 

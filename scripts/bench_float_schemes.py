@@ -43,17 +43,23 @@ def quantize_with_quantkit(model_folder: str, preset_name: str, method: str, cal
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantkit.float_checkpoint import write
+    from quantkit.pipeline import calibration_batch_size
+    from quantkit.plan import resolve_plan
     from quantkit.scheme_presets import preset
 
     model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
     ids = load_file(calib_ids)["input_ids"]
+    # the sequences per calibration forward `quantkit quantize` picks for this run (api._calibration_set): all 64
+    # in one forward for GPTQ (the one-pass strategy), so the row times what a user runs
+    plan = resolve_plan(method.replace("+", ","), scheme=preset_name, options=options or None)
+    batch = calibration_batch_size(model.config, plan.recipe, ids.shape[0], ids.shape[1])
     t0, c0 = time.perf_counter(), time.process_time()
     p = preset(preset_name)  # RTN reads the calibration ids only for static input scales (FP8, NVFP4)
     write(model, p, output, method=method, calibration=ids if method != "rtn" or p.calibrates_activations else None,
-          options=options or None)
+          options=options or None, batch_size=batch)
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     AutoTokenizer.from_pretrained(model_folder).save_pretrained(output)
-    print(json.dumps({"seconds": round(seconds, 2), "cpu_seconds": round(cpu_seconds, 2)}))
+    print(json.dumps({"seconds": round(seconds, 2), "cpu_seconds": round(cpu_seconds, 2), "batch_size": batch}))
 
 
 def weight_errors(model_name: str, presets: list[str]) -> None:
@@ -136,7 +142,7 @@ def main() -> None:
             row = {"preset": name, "row": " ".join([tool, method, *extra]), "path": str(out), "seconds": result["seconds"],
                    "cpu_seconds": result.get("cpu_seconds"), "cpu_s": result["_cpu_s"]}
             if tool == "quantkit":
-                row["options"] = options
+                row["options"], row["batch_size"] = options, result.get("batch_size")
             for dataset, windows in (("lee", args.lee_windows), ("wiki", args.wiki_windows)):
                 r, _ = run(quantkit_cli("eval", "--model", str(out), "--baseline", folder, "--dataset", dataset,
                                         "--backend", "reference", "--json",

@@ -131,3 +131,39 @@ def test_a_pass_before_gptq_leaves_its_inputs_unrounded_unless_asked(tmp_path):
     digest = {name: tree_sha256(tmp_path / name) for name in runs}
     assert digest["sq"] == digest["sq_off"] != digest["sq_on"]
     assert digest["plain"] != digest["plain_off"]
+
+
+def test_the_options_reach_the_float_solve_from_the_api_and_cli(tmp_path, tiny_llama_128_dir, monkeypatch):
+    """`quantkit quantize --scheme NVFP4 --option input_rounding=false` (the API's options=) is what the float solve
+    gets: the plan's recipe carries it (it was refused as unknown to integer GPTQ before), the checkpoint's recipe
+    records it and its weights are another run's than the default's; on integer weights the options are refused,
+    and a float preset's own refusals come before any work."""
+    pytest.importorskip("compressed_tensors")
+    import quantkit
+    from test_robustness import tree_sha256
+
+    from quantkit.plan import resolve_plan
+    from quantkit.run_recipe import non_default_options
+
+    assert non_default_options(resolve_plan("gptq", scheme="NVFP4", options={"input_rounding_alpha": 0.25}).recipe) \
+        == {"input_rounding_alpha": 0.25}
+    seen = []
+    real_init = FloatGPTQ.__init__
+
+    def spy(self, weights, input_activations=None, **options):
+        seen.append(dict(options))
+        real_init(self, weights, input_activations, **options)
+
+    monkeypatch.setattr(FloatGPTQ, "__init__", spy)
+    calibration = dict(num_samples=4, seq_len=32, seed=1, progress=False)
+    for name, options in (("default", {}), ("off", {"input_rounding": False})):
+        quantkit.quantize(str(tiny_llama_128_dir), "gptq", scheme="NVFP4", output=tmp_path / name,
+                          options={"block_size": 32, **options}, **calibration)
+    assert {"block_size": 32, "input_rounding": False} in seen and all(o.get("input_rounding") is not True for o in seen)
+    assert "input_rounding: false" in (tmp_path / "off" / "recipe.yaml").read_text()
+    assert tree_sha256(tmp_path / "default") != tree_sha256(tmp_path / "off")
+    for method, scheme, options, match in (("gptq", None, {"input_rounding": False}, "not to integer weights"),
+                                           ("gptq", "W4AFP8", {"input_rounding_alpha": 0.25}, "not to integer weights"),
+                                           ("gptq", "NVFP4A16", {"input_rounding": True}, "weight-only scheme")):
+        with pytest.raises(QuantkitError, match=match):
+            resolve_plan(method, scheme=scheme, options=options)

@@ -8,6 +8,7 @@ of that matrix's rows (quantkit.quantizers.gptq_shares).
 """
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import replace
 
@@ -23,6 +24,17 @@ from quantkit.quantizers.gptq_shares import SharedSolver
 from quantkit.quantizers.gguf_grid import choose_grid
 from quantkit.quantizers.grid import check_sym_range
 from quantkit.scheme import LinearScheme
+
+
+# options of GPTQ onto a float preset's grid that the integer solve has no counterpart for
+FLOAT_ONLY_OPTIONS = ("input_rounding", "input_rounding_alpha")
+
+
+def float_only_refusal(given: dict) -> str:
+    names = ", ".join(f"{k}={json.dumps(v)}" for k, v in given.items())
+    return (f"option {names} rounds GPTQ's inputs as a float preset's runtime does; it applies to --scheme presets "
+            "with float weights and quantized inputs (NVFP4, MXFP4, FP8_DYNAMIC, ...), not to integer weights: "
+            "drop it")
 
 
 @register_step
@@ -54,6 +66,11 @@ class GPTQQuantizer(Quantizer):
         # more forward per layer); gptaq_alpha scales the correction (see gptq_core.asymmetric_target)
         "gptaq": False,
         "gptaq_alpha": 0.25,
+        # GPTQ on a float preset whose inputs the runtime rounds (NVFP4, MXFP4, FP8_DYNAMIC...): declared here so
+        # a run's plan (this recipe) carries them to the float solve, which reads them (quantizers.gptq_float);
+        # the integer solve has no input rounding and refuses them (FLOAT_ONLY_OPTIONS)
+        "input_rounding": None,
+        "input_rounding_alpha": 0.0,
     }
 
     def __init__(self, **options):
@@ -83,6 +100,9 @@ class GPTQQuantizer(Quantizer):
                 "weighted_search": bool(o["weighted_search"]), "sym_range": o["sym_range"]}
 
     def begin_layer(self, ctx: LayerContext) -> None:
+        given = {k: self.options[k] for k in FLOAT_ONLY_OPTIONS if self.options[k] != self.options_spec[k]}
+        if given:  # a plan refuses them earlier (plan.resolve_plan); this catches a step built by hand
+            raise QuantkitError(float_only_refusal(given))
         super().begin_layer(ctx)
         self._ctx = ctx
         self._stage_mates = {n: [m for m in stage if m != n] for stage in self.stages(ctx) for n in stage}
