@@ -393,3 +393,26 @@ def test_anchored_measurement_predicts_other_schemes_from_each_linears_own_ratio
     sampled = {n for (n, label), r in rows.items() if label != "w4g32" and r["measured_kl"] is not None}
     assert len(sampled) == 2
     assert report["proxy_check"]["modules_x_schemes"] == 2 * 2 and report["proxy_check"]["in_sample"] is False
+
+
+def test_held_out_windows_are_spread_over_the_second_half_of_each_text(monkeypatch):
+    """The sensitivity's KL windows: `count` non-overlapping windows spread evenly over the second half of each
+    text (none in the first half, which scorers read from the start), so a long text is sampled across its
+    length; a text with fewer windows than asked gives what it has. Token i of a text is i here, so each window
+    says where it came from."""
+    from quantkit import data
+    from quantkit.allocation.run import held_out_windows
+
+    lengths = {"long": 100_000, "short": 700}
+    monkeypatch.setattr(data, "eval_token_stream", lambda name, tokenizer: torch.arange(lengths[name]))
+    w = held_out_windows("long,short", None, 256, 4)
+    long, short = w[:4], w[4:]
+    for window in w:
+        assert torch.equal(window, torch.arange(int(window[0]), int(window[0]) + 256))  # contiguous text
+    starts = long[:, 0].tolist()
+    assert all(s >= 50_000 for s in starts) and starts[-1] + 256 <= 100_000
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert min(gaps) >= 256 and max(gaps) - min(gaps) <= 256  # non-overlapping, evenly spread
+    assert starts[-1] - starts[0] >= 0.6 * 50_000  # across the half, not bunched at its end
+    # 700 tokens: its second half holds one window of 256, but two fit in the text: the last two windows' worth
+    assert short.shape[0] == 2 and short[-1, -1] == 699 and short[0, 0] == 700 - 512

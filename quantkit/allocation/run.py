@@ -229,9 +229,12 @@ def sensitivity_of_model(model: str, plan, *, calibration: Optional[dict] = None
 
 
 def held_out_windows(eval_set, tokenizer, seq_len: int, count: int) -> torch.Tensor:
-    """`count` windows of `seq_len` tokens from the END of each held-out text (`eval_set`: one dataset, or
-    several as a list or comma-separated names, e.g. "lee,wiki"): the end, so that scoring which reads
-    from the start (`quantkit evaluate`, the allocation bench) checks predictions on other text."""
+    """`count` windows of `seq_len` tokens from the second half of each held-out text (`eval_set`: one dataset,
+    or several as a list or comma-separated names, e.g. "lee,wiki"), spread evenly over it: the second half, so
+    that scoring which reads from the start (`quantkit evaluate`, the allocation bench) checks predictions on
+    other text; spread, so that a long text such as the wiki dump is sampled across its articles rather than
+    by the one or two its last tokens belong to. A text shorter than `count` windows gives what it has (from
+    its end)."""
     from quantkit import data
     from quantkit.scoring import windows_of
 
@@ -240,8 +243,10 @@ def held_out_windows(eval_set, tokenizer, seq_len: int, count: int) -> torch.Ten
     out = []
     for one in sets:
         stream = data.eval_token_stream(one, tokenizer)
-        n = min(count, stream.numel() // seq_len)
-        out.append(windows_of(stream[stream.numel() - n * seq_len:] if n else stream, seq_len, count))
+        region = stream[stream.numel() - max(stream.numel() // 2, min(count, stream.numel() // seq_len) * seq_len):]
+        slots = windows_of(region[region.numel() % seq_len:] if region.numel() >= seq_len else stream, seq_len)
+        n = min(count, slots.shape[0])
+        out.append(slots[torch.arange(n) * slots.shape[0] // n])  # evenly spaced, the first slot always taken
     return torch.cat(out)
 
 
