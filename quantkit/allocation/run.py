@@ -243,7 +243,9 @@ def held_out_windows(eval_set, tokenizer, seq_len: int, count: int) -> torch.Ten
     out = []
     for one in sets:
         stream = data.eval_token_stream(one, tokenizer)
-        region = stream[stream.numel() - max(stream.numel() // 2, min(count, stream.numel() // seq_len) * seq_len):]
+        total = stream.numel()
+        tail = max(total // 2, min(count, total // seq_len) * seq_len)  # the second half, or the last windows
+        region = stream[total - tail:]
         slots = windows_of(region[region.numel() % seq_len:] if region.numel() >= seq_len else stream, seq_len)
         n = min(count, slots.shape[0])
         out.append(slots[torch.arange(n) * slots.shape[0] // n])  # evenly spaced, the first slot always taken

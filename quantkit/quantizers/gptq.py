@@ -99,6 +99,12 @@ class GPTQQuantizer(Quantizer):
                 "act_order": bool(o["desc_act"]), "static_groups": bool(o["static_groups"]), "mse": bool(o["mse"]),
                 "weighted_search": bool(o["weighted_search"]), "sym_range": o["sym_range"]}
 
+    def describe(self) -> dict:
+        """Every option, less the float-only ones where unset: an integer run's card, recipe and resume
+        fingerprint stay as they were before the float solve's options were declared here."""
+        return {k: v for k, v in super().describe().items()
+                if k not in FLOAT_ONLY_OPTIONS or v != self.options_spec[k]}
+
     def begin_layer(self, ctx: LayerContext) -> None:
         given = {k: self.options[k] for k in FLOAT_ONLY_OPTIONS if self.options[k] != self.options_spec[k]}
         if given:  # a plan refuses them earlier (plan.resolve_plan); this catches a step built by hand
