@@ -4,7 +4,7 @@
 1. `quantkit.sensitivity` measures the model's table (kept in WORKDIR/sensitivity; reused when there):
    every linear alone at every candidate, the whole model at every uniform candidate (the
    interaction mapping's points) and a few allocated mixtures (the mapping's out-of-sample check),
-   on held-out windows from the END of the texts.
+   on held-out windows spread over the second half of each text.
 2. The uniform default (`--method M` at 4 bits and the default group size) is quantized, and the
    allocated mixture at exactly its file size (`target_size`), then mixtures at each `--target-bits`,
    and the uniform schemes named by `--uniform` for reference.
@@ -93,7 +93,8 @@ def main() -> int:
 
     print(f"\nmodel {args.model}, {args.method}, calibration {args.num_samples} x {args.seq_len} lee; sensitivity: "
           f"{report['calibration_mode']} mode on {report['eval']['windows']} x {report['eval']['seq_len']} held-out "
-          f"tokens ({report['eval']['dataset']}, the texts' ends), candidates {', '.join(report['schemes'])}; "
+          f"tokens ({report['eval']['dataset']}, spread over the texts' second halves), "
+          f"candidates {', '.join(report['schemes'])}; "
           f"scored on {args.eval_windows} x 512 tokens per text from the texts' starts")
     print("interaction mapping (whole model, sensitivity windows): " + ", ".join(
         f"{p['scheme']} sum {p['predicted_kl_sum']:.4g} -> {p['measured_kl']:.4g}" for p in report["interaction"]["fit"]))
