@@ -99,14 +99,18 @@ class GPTQQuantizer(Quantizer):
                 "act_order": bool(o["desc_act"]), "static_groups": bool(o["static_groups"]), "mse": bool(o["mse"]),
                 "weighted_search": bool(o["weighted_search"]), "sym_range": o["sym_range"]}
 
+    def _float_only_set(self) -> dict:
+        """The float-only options given a value other than their default."""
+        return {k: self.options[k] for k in FLOAT_ONLY_OPTIONS if self.options[k] != self.options_spec[k]}
+
     def describe(self) -> dict:
         """Every option, less the float-only ones where unset: an integer run's card, recipe and resume
         fingerprint stay as they were before the float solve's options were declared here."""
-        return {k: v for k, v in super().describe().items()
-                if k not in FLOAT_ONLY_OPTIONS or v != self.options_spec[k]}
+        shown = self._float_only_set()
+        return {k: v for k, v in super().describe().items() if k not in FLOAT_ONLY_OPTIONS or k in shown}
 
     def begin_layer(self, ctx: LayerContext) -> None:
-        given = {k: self.options[k] for k in FLOAT_ONLY_OPTIONS if self.options[k] != self.options_spec[k]}
+        given = self._float_only_set()
         if given:  # a plan refuses them earlier (plan.resolve_plan); this catches a step built by hand
             raise QuantkitError(float_only_refusal(given))
         super().begin_layer(ctx)
