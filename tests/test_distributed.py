@@ -245,6 +245,7 @@ def test_a_rank_that_ends_holding_its_group_exits_with_its_code_and_says_nothing
 VARIANTS = {
     "rtn": dict(method="rtn"),
     "gptq": dict(method="gptq"),  # one batch: quantized inside one forward per layer
+    "gptaq": dict(method="gptq", options={"gptaq": True}),  # one batch: the unquantized layer's forward of its own
     "gptaq-staged": dict(method="gptq", batch_size=5, options={"gptaq": True}),  # batches cut by the ranks
     "awq": dict(method="awq"),
     "smoothquant": dict(method="smoothquant", options={"alpha": "auto", "activations": "static"}),

@@ -99,3 +99,124 @@ def test_gptaq_resumes_to_the_uninterrupted_result(tiny_llama_dir, tmp_path, mon
     quantkit.quantize(str(tiny_llama_dir), "gptq", output=tmp_path / "resumed", resume=True, **kwargs)
     a, b = (tmp_path / d / "model.safetensors" for d in ("whole", "resumed"))
     assert a.read_bytes() == b.read_bytes()
+
+
+class _StagedGPTAQ:
+    """GPTAQ forced onto the stage-by-stage driver (a partial forward of the unquantized layer per stage and batch)."""
+
+    @staticmethod
+    def build(**options):
+        from quantkit.quantizers.gptq import GPTQQuantizer
+
+        class Staged(GPTQQuantizer):
+            def quantize_in_forward(self):
+                return False
+
+        return Staged(gptaq=True, **options)
+
+
+def _tiny_causal_lm(model_type: str, layers: int = 2):
+    import transformers
+
+    common = dict(vocab_size=128, max_position_embeddings=64, num_hidden_layers=layers, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)
+    if model_type == "opt":
+        cfg = transformers.OPTConfig(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64, **common)
+    else:
+        cfg = transformers.AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                                num_key_value_heads=2, **common)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _gptaq_both_ways(model, ids, monkeypatch):
+    """(staged results, one-pass results, the two models, the unquantized layers' forwards per strategy)."""
+    from quantkit.api import linear_shapes
+    from quantkit.models import get_adapter
+    from quantkit.pipeline import quantize_model
+    from quantkit.pipeline import one_pass as one_pass_module
+    from quantkit.quantizers.gptq import GPTQQuantizer
+    from quantkit.scheme import QuantScheme
+
+    captures = []
+    capture = one_pass_module.OnePassStrategy.capture_references
+    monkeypatch.setattr(one_pass_module.OnePassStrategy, "capture_references",
+                        lambda self, ctx, *a: (captures.append(ctx.index), capture(self, ctx, *a))[1])
+    schemes = QuantScheme(bits=4, group_size=32).resolve(linear_shapes(model))
+    staged_model, one_pass_model = copy.deepcopy(model), copy.deepcopy(model)
+    staged = quantize_model(staged_model, get_adapter(model), _StagedGPTAQ.build(), schemes, ids,
+                            batch_size=ids.shape[0], progress=False)
+    assert captures == []
+    one_pass = quantize_model(one_pass_model, get_adapter(model), GPTQQuantizer(gptaq=True), schemes, ids,
+                              batch_size=ids.shape[0], progress=False)
+    assert captures == list(range(model.config.num_hidden_layers)), captures  # one forward of each unquantized layer
+    return staged, one_pass, staged_model, one_pass_model
+
+
+@pytest.mark.parametrize("attention_chunks", [False, True], ids=["whole", "attention-per-sequence"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "opt", "phi3"])
+def test_one_pass_gptaq_gives_the_staged_results_exactly(model_type, attention_chunks, monkeypatch):
+    """With one calibration batch GPTAQ runs in the one-pass strategy: one forward of the unquantized
+    layer records every stage's input (and gives the unquantized stream's next input), then the
+    quantizing forward hands each observed row its reference row. It must be the staged computation
+    (a partial forward of both layers per stage): the same integers, scales, logits. With
+    `attention_chunks` the attention runs one sequence at a time and the norms one row at a time in
+    both forwards (the scratch buffers they share must not leak into the recorded references)."""
+    from quantkit.pipeline import chunked
+
+    if attention_chunks:
+        monkeypatch.setattr(chunked, "ATTN_CHUNK_BYTES", 1)
+        monkeypatch.setattr(chunked, "NORM_CHUNK_BYTES", 1)
+    model = _tiny_causal_lm(model_type)
+    ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
+    staged, one_pass, staged_model, one_pass_model = _gptaq_both_ways(model, ids, monkeypatch)
+    assert list(one_pass) == list(staged)
+    for name in staged:
+        for field in ("qweight", "scales", "zeros"):
+            assert torch.equal(getattr(one_pass[name], field), getattr(staged[name], field)), (name, field)
+    with torch.no_grad():
+        assert torch.equal(one_pass_model(ids).logits, staged_model(ids).logits)
+
+
+def test_one_pass_gptaq_pairs_the_chunked_mlps_rows(monkeypatch):
+    """With more tokens than an MLP chunk, down's input reaches the observers chunk by chunk in both
+    forwards; each chunk must meet the reference rows of the same tokens. Against the staged driver:
+    layer 0's linears before down identical, down's cross term equal to rounding (a pairing off by one
+    chunk would change it entirely), everything after within rounding."""
+    from quantkit.pipeline import chunked
+    from quantkit.quantizers import gptq_core
+
+    monkeypatch.setattr(chunked, "MLP_CHUNK_BYTES", 24 * 128 * 4)  # 24 rows of the fp32 [*, 128] gate
+    monkeypatch.setattr(chunked, "MLP_CHUNK_MIN_ROWS", 1)
+    crosses, observed_rows = [], []  # down_proj's cross terms as the solves read them (staged run first); its row chunks
+    cross, observe = gptq_core.CrossAccumulator.cross, gptq_core.CrossAccumulator.add_batch
+
+    def recording_cross(self):
+        d = cross(self)
+        if self.in_features == 128:
+            crosses.append(d.clone())
+        return d
+
+    def recording_observe(self, x, reference):
+        if self.in_features == 128:
+            observed_rows.append(x.numel() // 128)
+        observe(self, x, reference)
+
+    monkeypatch.setattr(gptq_core.CrossAccumulator, "cross", recording_cross)
+    monkeypatch.setattr(gptq_core.CrossAccumulator, "add_batch", recording_observe)
+    model = _tiny_causal_lm("llama")
+    ids = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(1))
+    staged, one_pass, staged_model, one_pass_model = _gptaq_both_ways(model, ids, monkeypatch)
+    # staged: the whole batch per layer; one pass: 16-row chunks (each 32-token sequence in two)
+    assert observed_rows == [256, 256] + [16] * 32, observed_rows
+    assert len(crosses) == 4 and float(crosses[0].abs().max()) > 0
+    torch.testing.assert_close(crosses[2], crosses[0], rtol=1e-4, atol=1e-6 * float(crosses[0].abs().max()))
+    for name in staged:
+        qa, qb = one_pass[name], staged[name]
+        if ".layers.0." in name and not name.endswith("down_proj"):
+            assert torch.equal(qa.qweight, qb.qweight) and torch.equal(qa.scales, qb.scales), name
+        else:
+            assert (qa.qweight != qb.qweight).float().mean() < 0.005, name
+            torch.testing.assert_close(qa.scales, qb.scales, rtol=1e-3, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(one_pass_model(ids).logits, staged_model(ids).logits, rtol=0, atol=1e-4)

@@ -679,20 +679,27 @@ def test_auto_batch_size_takes_the_whole_demo_calibration_set_and_splits_a_large
     # methods without a one-pass driver (AWQ, SmoothQuant) take the smaller budget
     demo_per_sequence = 512 * 4 * (3 * 1536 + 4 * 576 + 2 * 9 * 512)
     assert auto_batch_size(demo, 128, 512, torch.float32, 1 << 30) == (1 << 30) // demo_per_sequence == 32
+    # GPTAQ in one pass also holds each sequence's stage inputs in the unquantized layer (q/k/v, o, gate/up, down)
+    with_references = demo_per_sequence + 512 * 4 * (3 * 576 + 1536)
+    assert auto_batch_size(demo, 128, 512, torch.float32, 1 << 30, reference_stages=True) \
+        == (1 << 30) // with_references == 27
 
 
 def test_calibration_batch_size_follows_the_quantizers_driver(tiny_llama_dir, tmp_path, monkeypatch):
     """GPTQ (one pass) gets the 4 GiB budget, AWQ the 1 GiB one: with budgets shrunk so that the
-    tiny model's 4 sequences fit only the larger, GPTQ runs them as one batch and AWQ as two."""
+    tiny model's 4 sequences fit only the larger, GPTQ runs them as one batch and AWQ as two. GPTAQ
+    (one pass too) also counts the unquantized layer's stage inputs it holds: 2 sequences there."""
     import quantkit
     from quantkit.pipeline import batching
 
     per_sequence = 16 * 4 * (3 * 128 + 4 * 64 + 2 * 4 * 16)
     monkeypatch.setattr(batching, "ONE_PASS_BATCH_BUDGET", 4 * per_sequence)
     monkeypatch.setattr(batching, "STAGED_BATCH_BUDGET", 2 * per_sequence)
-    sizes = {m: quantkit.quantize(str(tiny_llama_dir), m, bits=4, group_size=32, num_samples=4, seq_len=16,
-                                  output=tmp_path / m, progress=False)["calibration_batch_size"] for m in ("gptq", "awq")}
-    assert sizes == {"gptq": 4, "awq": 2}
+    runs = {"gptq": ("gptq", {}), "awq": ("awq", {}), "gptaq": ("gptq", {"options": {"gptaq": True}})}
+    sizes = {m: quantkit.quantize(str(tiny_llama_dir), method, bits=4, group_size=32, num_samples=4, seq_len=16,
+                                  output=tmp_path / m, progress=False, **extra)["calibration_batch_size"]
+             for m, (method, extra) in runs.items()}
+    assert sizes == {"gptq": 4, "awq": 2, "gptaq": 2}
 
 
 @pytest.mark.parametrize("k", [100, 576, 1024, 1300])

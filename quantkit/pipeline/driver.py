@@ -128,9 +128,10 @@ class LayerByLayer:
         layer_results, outputs = strategy.quantize_layer(ctx, self.recipe, self.device_of(i), self.compute_dtype,
                                                           observe=self.recipe.needs_observe)
         if ctx.reference_layer is not None:  # the unquantized stream moves on (a refiner's targets); its inputs are done
-            self.reference = ctx.reference_outputs = run_layer(ctx.reference_layer, ctx.reference_inputs,
-                                                               self.device_of(i), self.compute_dtype,
-                                                               self.activation_device)
+            if ctx.reference_outputs is None:  # the one-pass strategy ran the unquantized layer already
+                ctx.reference_outputs = run_layer(ctx.reference_layer, ctx.reference_inputs, self.device_of(i),
+                                                  self.compute_dtype, self.activation_device)
+            self.reference = ctx.reference_outputs
             ctx.reference_inputs = None
         if self.recipe.refiners:  # the layer's weights improved together; its outputs are then run anew
             layer_results = self.refine(i, ctx, layer_results)

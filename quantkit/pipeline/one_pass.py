@@ -5,6 +5,12 @@ it quantized: the staged strategy's result (tested bit for bit) when each stage'
 input and stages follow the forward order, which the hooks check. No extra pass gives the next
 layer's inputs: the forward's output is them.
 
+A recipe that compares with the unquantized model (GPTAQ: `needs_reference_inputs`) gets each
+stage's input in the unquantized layer from one forward of that layer first (`ReferenceCapture`,
+the same chunked forward with nothing quantized), handed to the observers in the very rows the
+quantizing forward observes; that forward's output is the unquantized stream's next input, so the
+driver runs no further pass for it.
+
 Memory-shaped pieces (`chunked`) run the MLP, attention and norms in chunks. Two further savings
 rest on the decoder layer being a sequential pre-norm residual block (attention, then MLP, each
 added to the residual): the norms' outputs sharing one scratch buffer, the attention output and
@@ -42,8 +48,9 @@ class OnePassLayer:
     input is held, and only until the stage is quantized, so no stage input outlives its use."""
 
     def __init__(self, ctx: Optional[LayerContext], recipe: Optional[Recipe], policy: MemoryPolicy,
-                 scratch: Optional[ScratchBuffers] = None, share: bool = False):
-        self.ctx, self.recipe, self.policy = ctx, recipe, policy
+                 scratch: Optional[ScratchBuffers] = None, share: bool = False,
+                 references: Optional["StageReferences"] = None):
+        self.ctx, self.recipe, self.policy, self.references = ctx, recipe, policy, references
         self.stages = target_stages(ctx, recipe) if recipe is not None else []
         self.stage_of = {n: k for k, stage in enumerate(self.stages) for n in stage}
         self.modules = {n: ctx.layer.get_submodule(n) for n in self.stage_of}
@@ -106,14 +113,23 @@ class OnePassLayer:
             self.fail(f"the linears of stage {self.stages[k]} do not share one input")
 
     def observe_more(self, name: str, x: torch.Tensor) -> None:
-        """More rows of the open stage's input (a chunked MLP hands down's input over in chunks)."""
-        for n in self.stages[self.stage_of[name]]:
-            self.recipe.observe(n, self.modules[n], x)
+        """More rows of the open stage's input (a chunked MLP hands down's input over in chunks),
+        with the same rows' input in the unquantized layer where the recipe compares with it."""
+        k = self.stage_of[name]
+        reference = self.references.next_rows(k, x, self) if self.references is not None else None
+        for n in self.stages[k]:
+            self.recipe.observe(n, self.modules[n], x, reference=reference)
 
     def quantize(self, name: str) -> None:
         self.results[name] = quantize_in_place(self.ctx, self.recipe, name, self.modules[name])
-        if all(n in self.results for n in self.stages[self.open_stage]):
+        self.close_if_complete()
+
+    def close_if_complete(self) -> None:
+        k = self.open_stage
+        if all(n in self.results for n in self.stages[k]):
             self.open_input = None
+            if self.references is not None:
+                self.references.release(k, self)
 
     def pre_hook(self, name: str):
         def hook(module, args):
@@ -124,11 +140,71 @@ class OnePassLayer:
         return hook
 
 
+class StageReferences:
+    """Each stage's input in the unquantized layer (`ReferenceCapture`'s rows, in the chunks it saw
+    them), handed out in the rows the quantizing forward observes and let go as they are."""
+
+    def __init__(self, chunks: dict[int, list]):
+        self.chunks = chunks
+
+    def next_rows(self, stage: int, x: torch.Tensor, state: OnePassLayer) -> torch.Tensor:
+        """The reference rows matching `x`'s rows, the next ones of `stage` (views where the two
+        forwards chunked alike, as the one-pass forward does)."""
+        wanted, pieces, chunks = x.numel() // x.shape[-1], [], self.chunks.get(stage, [])
+        while wanted:
+            if not chunks:
+                state.fail(f"stage {state.stages[stage]} observed more rows in the quantized layer than in the "
+                           "unquantized one")
+            head = chunks[0]
+            if head.shape[-1] != x.shape[-1]:
+                state.fail(f"stage {state.stages[stage]} has inputs of width {x.shape[-1]} in the quantized layer "
+                           f"and {head.shape[-1]} in the unquantized one")
+            pieces.append(head[:wanted])
+            if head.shape[0] <= wanted:
+                chunks.pop(0)
+            else:
+                chunks[0] = head[wanted:]
+            wanted -= pieces[-1].shape[0]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def release(self, stage: int, state: OnePassLayer) -> None:
+        """The stage is quantized: every reference row must have been used (else rows were paired wrongly)."""
+        if self.chunks.pop(stage, None):
+            state.fail(f"stage {state.stages[stage]} observed fewer rows in the quantized layer than in the "
+                       "unquantized one")
+
+
+class ReferenceCapture(OnePassLayer):
+    """The unquantized layer (`ctx.reference_layer`) run through the one-pass forward with nothing
+    quantized: each stage's input recorded instead, copied (the forward writes over its buffers).
+    The stream's input is neither freed nor written over: the driver still holds it."""
+
+    def __init__(self, ctx: LayerContext, recipe: Recipe, policy: MemoryPolicy, scratch: Optional[ScratchBuffers]):
+        super().__init__(ctx, recipe, policy, scratch, share=scratch is not None)
+        self.modules = {n: ctx.reference_layer.get_submodule(n) for n in self.stage_of}
+        self.input_reusable = False
+        self.chunks: dict[int, list] = {}
+
+    def observe_more(self, name: str, x: torch.Tensor) -> None:
+        self.chunks.setdefault(self.stage_of[name], []).append(x.detach().reshape(-1, x.shape[-1]).clone())
+
+    def quantize(self, name: str) -> None:
+        self.results[name] = None  # seen: the order checks of `enter` hold for this forward too
+        self.close_if_complete()
+
+    def stage_inputs(self) -> StageReferences:
+        missing = [n for n in self.stage_of if n not in self.results]
+        if missing:
+            self.fail(f"{missing[0]} never ran in the unquantized layer's forward")
+        return StageReferences(self.chunks)
+
+
 @torch.no_grad()
-def chunked_forward(ctx: LayerContext, state: OnePassLayer, args: list, kwargs: dict) -> torch.Tensor:
-    """The layer's forward over `args` ([hidden], handed over: the list is emptied, so only the forward
-    holds the input) with the chunked MLP, attention and norms, hooks installed."""
-    adapter, layer = ctx.adapter, ctx.layer
+def chunked_forward(ctx: LayerContext, state: OnePassLayer, args: list, kwargs: dict,
+                    layer: Optional[torch.nn.Module] = None) -> torch.Tensor:
+    """`layer`'s (default: the context's) forward over `args` ([hidden], handed over: the list is
+    emptied, so only the forward holds the input) with the chunked MLP, attention and norms, hooks installed."""
+    adapter, layer = ctx.adapter, ctx.layer if layer is None else layer
     handles = [m.register_forward_pre_hook(state.pre_hook(n)) for n, m in state.modules.items()]
     mlp, attention = adapter.gated_mlp(layer), adapter.attention(layer)
     undo = [run_mlp_in_token_chunks(layer, mlp, state) if mlp else None,
@@ -187,7 +263,10 @@ class OnePassStrategy:
         if kind not in self._sharing:
             self._sharing[kind] = self.scratch is not None and structure_allows_sharing(ctx, self.policy, device,
                                                                                         compute_dtype)
-        state = OnePassLayer(ctx, recipe, self.policy, self.scratch, share=self._sharing[kind])
+        share = self._sharing[kind]
+        references = (self.capture_references(ctx, recipe, device, compute_dtype, share)
+                      if recipe.needs_reference_inputs else None)
+        state = OnePassLayer(ctx, recipe, self.policy, self.scratch, share=share, references=references)
         (hidden, kwargs), = ctx.inputs
         home = hidden.device
         # the layer's input leaves the list (its output will replace it), so only the forward holds it
@@ -199,3 +278,15 @@ class OnePassStrategy:
         if missing:
             state.fail(f"{missing[0]} never ran in the forward")
         return ({ctx.prefix + n: to_cpu(state.results[n]) for stage in state.stages for n in stage}, [out.to(home)])
+
+    def capture_references(self, ctx: LayerContext, recipe: Recipe, device, compute_dtype,
+                           share: bool) -> StageReferences:
+        """One forward of the unquantized layer over the unquantized stream: its stages' inputs, and
+        its output as the stream's next input (`ctx.reference_outputs`, which the driver then keeps)."""
+        (hidden, kwargs), = ctx.reference_inputs
+        capture = ReferenceCapture(ctx, recipe, self.policy, self.scratch if share else None)
+        out = chunked_forward(ctx, capture, [to_device(hidden, device).to(compute_dtype)], to_device(kwargs, device),
+                              layer=ctx.reference_layer)
+        references = capture.stage_inputs()
+        ctx.reference_outputs = [out.to(hidden.device)]
+        return references

@@ -43,7 +43,8 @@ class LayerContext:
     reference_layer: Optional[nn.Module] = None
     reference_inputs: Optional[list] = None
     # for refiners: reference_layer's outputs on reference_inputs (the pipeline runs it once, after the
-    # quantizer, and clears reference_inputs: the refiner's targets are the next layer's reference inputs)
+    # quantizer, or the one-pass strategy while capturing its references; then reference_inputs is
+    # cleared: the refiner's targets are the next layer's reference inputs)
     reference_outputs: Optional[list] = None
     # a MoE layer's experts while it is calibrated (quantkit.pipeline.experts.LayerExperts), else None
     experts: Any = None

@@ -139,7 +139,8 @@ class Recipe:
 
     def quantize_in_forward(self) -> bool:
         # a refiner needs the layer's inputs after its linears are quantized, which one forward consumes
-        return self.quantizer.quantize_in_forward() and not self.needs_reference_inputs and not self.refiners
+        # (a step comparing with the unquantized model's inputs gets them from a forward of their own)
+        return self.quantizer.quantize_in_forward() and not self.refiners
 
     def begin_layer(self, ctx: LayerContext) -> None:
         for s in self.steps:
