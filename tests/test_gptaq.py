@@ -36,6 +36,26 @@ def test_the_target_is_the_least_squares_solution_of_the_asymmetric_problem():
     torch.testing.assert_close(D, 2 * (x_ref - x).t() @ x / x.shape[0], rtol=1e-4, atol=1e-4)
 
 
+def test_the_cross_term_drops_the_rows_the_hessian_drops():
+    """A row with NaN/inf in the quantized input leaves both statistics, one whose reference is not
+    finite the cross term; the others give the plain formula's D (checked past the one-read check
+    that lets a clean batch skip the row mask, and equal to that clean batch's own D)."""
+    x, x_ref, _ = _problem(rows=300)
+    x[7, 3], x_ref[20, 0], x[41, 5] = float("nan"), float("inf"), float("-inf")
+    H, D = HessianAccumulator(x.shape[1]), CrossAccumulator(x.shape[1])
+    with pytest.warns(RuntimeWarning, match="dropped 2 of 300"):
+        H.add_batch(x)
+    D.add_batch(x, x_ref)
+    keep = torch.ones(x.shape[0], dtype=torch.bool)
+    keep[[7, 20, 41]] = False
+    xk, rk = x[keep].double(), x_ref[keep].double()
+    assert D.n_samples == 297 and H.n_samples == 298  # x's row 20 is finite: only its reference is not
+    torch.testing.assert_close(D.cross().double(), 2 * (rk - xk).t() @ xk / 297, rtol=1e-5, atol=1e-6)
+    clean = CrossAccumulator(x.shape[1])
+    clean.add_batch(x[keep], x_ref[keep])
+    assert torch.equal(clean.cross(), D.cross())
+
+
 def test_gptq_on_the_target_reproduces_the_unquantized_output_better():
     x, x_ref, w = _problem(seed=1)
     H, D = _stats(x, x_ref)

@@ -88,6 +88,15 @@ def mirror_gram_(H: torch.Tensor) -> torch.Tensor:
     return H
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether x holds no NaN/inf, in one read (either shows in the min or the max): the common case's
+    check, before a row-by-row mask (which also copies the rows it keeps) is worth its cost."""
+    if x.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(x)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 class HessianAccumulator:
     """H = 2/n * sum x x^T over all calibration rows seen so far, in fp32, summed as a `RowSum`.
 
@@ -140,8 +149,7 @@ class HessianAccumulator:
         return partial.add_(upd.to(partial.device))
 
     def _finite_rows(self, x: torch.Tensor) -> torch.Tensor:
-        lo, hi = torch.aminmax(x)  # one read: NaN or inf anywhere shows in the min or the max
-        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        if not all_finite(x):
             finite = torch.isfinite(x).all(dim=1)
             n_bad = int((~finite).sum())
             self.n_dropped += n_bad
@@ -198,8 +206,9 @@ class CrossAccumulator:
 
     def _add(self, x: torch.Tensor, reference: torch.Tensor, partial: Optional[torch.Tensor]) -> torch.Tensor:
         delta = reference - x
-        keep = torch.isfinite(x).all(dim=1) & torch.isfinite(delta).all(dim=1)  # the Hessian drops these rows too
-        x, delta = x[keep], delta[keep]
+        if not (all_finite(x) and all_finite(delta)):  # the Hessian drops these rows too
+            keep = torch.isfinite(x).all(dim=1) & torch.isfinite(delta).all(dim=1)
+            x, delta = x[keep], delta[keep]
         if partial is None:
             partial = torch.zeros(self.in_features, self.in_features, dtype=torch.float32, device=x.device)
         self.n_samples += x.shape[0]
