@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from quantkit.quantizers.gptq_core import CrossAccumulator, HessianAccumulator, asymmetric_target, gptq_quantize
 
@@ -135,22 +136,9 @@ class _StagedGPTAQ:
         return Staged(gptaq=True, **options)
 
 
-def _tiny_causal_lm(model_type: str, layers: int = 2):
-    import transformers
-
-    common = dict(vocab_size=128, max_position_embeddings=64, num_hidden_layers=layers, pad_token_id=0, bos_token_id=1,
-                  eos_token_id=2)
-    if model_type == "opt":
-        cfg = transformers.OPTConfig(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64, **common)
-    else:
-        cfg = transformers.AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                                num_key_value_heads=2, **common)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
-
-
 def _gptaq_both_ways(model, ids, monkeypatch):
-    """(staged results, one-pass results, the two models, the unquantized layers' forwards per strategy)."""
+    """(staged results, one-pass results, the two models), checking that the one-pass run captured each
+    unquantized layer's stage inputs in one forward of its own and the staged run in none."""
     from quantkit.api import linear_shapes
     from quantkit.models import get_adapter
     from quantkit.pipeline import quantize_model
@@ -187,7 +175,7 @@ def test_one_pass_gptaq_gives_the_staged_results_exactly(model_type, attention_c
     if attention_chunks:
         monkeypatch.setattr(chunked, "ATTN_CHUNK_BYTES", 1)
         monkeypatch.setattr(chunked, "NORM_CHUNK_BYTES", 1)
-    model = _tiny_causal_lm(model_type)
+    model = tiny_model(model_type)
     ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
     staged, one_pass, staged_model, one_pass_model = _gptaq_both_ways(model, ids, monkeypatch)
     assert list(one_pass) == list(staged)
@@ -224,7 +212,7 @@ def test_one_pass_gptaq_pairs_the_chunked_mlps_rows(monkeypatch):
 
     monkeypatch.setattr(gptq_core.CrossAccumulator, "cross", recording_cross)
     monkeypatch.setattr(gptq_core.CrossAccumulator, "add_batch", recording_observe)
-    model = _tiny_causal_lm("llama")
+    model = tiny_model("llama")
     ids = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(1))
     staged, one_pass, staged_model, one_pass_model = _gptaq_both_ways(model, ids, monkeypatch)
     # staged: the whole batch per layer; one pass: 16-row chunks (each 32-token sequence in two)
