@@ -122,18 +122,15 @@ def test_gptaq_resumes_to_the_uninterrupted_result(tiny_llama_dir, tmp_path, mon
     assert a.read_bytes() == b.read_bytes()
 
 
-class _StagedGPTAQ:
+def _staged_gptaq():
     """GPTAQ forced onto the stage-by-stage driver (a partial forward of the unquantized layer per stage and batch)."""
+    from quantkit.quantizers.gptq import GPTQQuantizer
 
-    @staticmethod
-    def build(**options):
-        from quantkit.quantizers.gptq import GPTQQuantizer
+    class Staged(GPTQQuantizer):
+        def quantize_in_forward(self):
+            return False
 
-        class Staged(GPTQQuantizer):
-            def quantize_in_forward(self):
-                return False
-
-        return Staged(gptaq=True, **options)
+    return Staged(gptaq=True)
 
 
 def _gptaq_both_ways(model, ids, monkeypatch):
@@ -152,7 +149,7 @@ def _gptaq_both_ways(model, ids, monkeypatch):
                         lambda self, ctx, *a: (captures.append(ctx.index), capture(self, ctx, *a))[1])
     schemes = QuantScheme(bits=4, group_size=32).resolve(linear_shapes(model))
     staged_model, one_pass_model = copy.deepcopy(model), copy.deepcopy(model)
-    staged = quantize_model(staged_model, get_adapter(model), _StagedGPTAQ.build(), schemes, ids,
+    staged = quantize_model(staged_model, get_adapter(model), _staged_gptaq(), schemes, ids,
                             batch_size=ids.shape[0], progress=False)
     assert captures == []
     one_pass = quantize_model(one_pass_model, get_adapter(model), GPTQQuantizer(gptaq=True), schemes, ids,

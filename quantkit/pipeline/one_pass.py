@@ -49,11 +49,12 @@ class OnePassLayer:
 
     def __init__(self, ctx: Optional[LayerContext], recipe: Optional[Recipe], policy: MemoryPolicy,
                  scratch: Optional[ScratchBuffers] = None, share: bool = False,
-                 references: Optional["StageReferences"] = None):
+                 references: Optional["StageReferences"] = None, layer: Optional[torch.nn.Module] = None):
         self.ctx, self.recipe, self.policy, self.references = ctx, recipe, policy, references
+        self.layer = ctx.layer if layer is None else layer  # the layer whose forward this bookkeeping hooks
         self.stages = target_stages(ctx, recipe) if recipe is not None else []
         self.stage_of = {n: k for k, stage in enumerate(self.stages) for n in stage}
-        self.modules = {n: ctx.layer.get_submodule(n) for n in self.stage_of}
+        self.modules = {n: self.layer.get_submodule(n) for n in self.stage_of}
         self.results: dict[str, QuantizedWeight] = {}
         self.open_stage: Optional[int] = None
         self.open_input: Optional[torch.Tensor] = None
@@ -91,6 +92,11 @@ class OnePassLayer:
         if not chunks or chunks[-1][1] != n_rows:
             self.fail(f"its input has {n_rows} rows where the calibration set gives {chunks[-1][1] if chunks else 0}")
         return chunks
+
+    def require_all_ran(self, forward: str) -> None:
+        missing = [n for n in self.stage_of if n not in self.results]
+        if missing:
+            self.fail(f"{missing[0]} never ran in {forward}")
 
     def fail(self, problem: str):
         raise QuantkitError(f"layer {self.ctx.index}: {problem}, so its linears cannot be quantized inside one forward; "
@@ -180,8 +186,7 @@ class ReferenceCapture(OnePassLayer):
     The stream's input is neither freed nor written over: the driver still holds it."""
 
     def __init__(self, ctx: LayerContext, recipe: Recipe, policy: MemoryPolicy, scratch: Optional[ScratchBuffers]):
-        super().__init__(ctx, recipe, policy, scratch, share=scratch is not None)
-        self.modules = {n: ctx.reference_layer.get_submodule(n) for n in self.stage_of}
+        super().__init__(ctx, recipe, policy, scratch, share=scratch is not None, layer=ctx.reference_layer)
         self.input_reusable = False
         self.chunks: dict[int, list] = {}
 
@@ -193,18 +198,15 @@ class ReferenceCapture(OnePassLayer):
         self.close_if_complete()
 
     def stage_inputs(self) -> StageReferences:
-        missing = [n for n in self.stage_of if n not in self.results]
-        if missing:
-            self.fail(f"{missing[0]} never ran in the unquantized layer's forward")
+        self.require_all_ran("the unquantized layer's forward")
         return StageReferences(self.chunks)
 
 
 @torch.no_grad()
-def chunked_forward(ctx: LayerContext, state: OnePassLayer, args: list, kwargs: dict,
-                    layer: Optional[torch.nn.Module] = None) -> torch.Tensor:
-    """`layer`'s (default: the context's) forward over `args` ([hidden], handed over: the list is
-    emptied, so only the forward holds the input) with the chunked MLP, attention and norms, hooks installed."""
-    adapter, layer = ctx.adapter, ctx.layer if layer is None else layer
+def chunked_forward(ctx: LayerContext, state: OnePassLayer, args: list, kwargs: dict) -> torch.Tensor:
+    """The forward of `state`'s layer over `args` ([hidden], handed over: the list is emptied, so only the
+    forward holds the input) with the chunked MLP, attention and norms, hooks installed."""
+    adapter, layer = ctx.adapter, state.layer
     handles = [m.register_forward_pre_hook(state.pre_hook(n)) for n, m in state.modules.items()]
     mlp, attention = adapter.gated_mlp(layer), adapter.attention(layer)
     undo = [run_mlp_in_token_chunks(layer, mlp, state) if mlp else None,
@@ -274,9 +276,7 @@ class OnePassStrategy:
         args = [to_device(hidden, device).to(compute_dtype)]
         del hidden
         out = chunked_forward(ctx, state, args, to_device(kwargs, device))
-        missing = [n for n in state.stage_of if n not in state.results]
-        if missing:
-            state.fail(f"{missing[0]} never ran in the forward")
+        state.require_all_ran("the forward")
         return ({ctx.prefix + n: to_cpu(state.results[n]) for stage in state.stages for n in stage}, [out.to(home)])
 
     def capture_references(self, ctx: LayerContext, recipe: Recipe, device, compute_dtype,
@@ -285,8 +285,7 @@ class OnePassStrategy:
         its output as the stream's next input (`ctx.reference_outputs`, which the driver then keeps)."""
         (hidden, kwargs), = ctx.reference_inputs
         capture = ReferenceCapture(ctx, recipe, self.policy, self.scratch if share else None)
-        out = chunked_forward(ctx, capture, [to_device(hidden, device).to(compute_dtype)], to_device(kwargs, device),
-                              layer=ctx.reference_layer)
+        out = chunked_forward(ctx, capture, [to_device(hidden, device).to(compute_dtype)], to_device(kwargs, device))
         references = capture.stage_inputs()
         ctx.reference_outputs = [out.to(hidden.device)]
         return references
